@@ -1,0 +1,46 @@
+"""Attention contexts: what a forward pass needs to know about positions and past keys/values.
+
+A context is made for one forward pass. It gives each token's absolute position (for RoPE) and
+performs attention for each layer, storing new keys/values wherever its cache keeps them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from exl.modules.attention import attention_mask, scaled_attention
+
+
+class AttentionContext:
+    """Base class: positions [B, T] plus per-forward caching of RoPE tables."""
+
+    def __init__(self, positions: torch.Tensor):
+        self.positions = positions
+        self._rope_cache: dict = {}
+
+    def rope(self, rotary, dtype):
+        key = (id(rotary), dtype)
+        if key not in self._rope_cache:
+            self._rope_cache[key] = rotary.cos_sin(self.positions, dtype)
+        return self._rope_cache[key]
+
+    def attend(self, layer: int, q, k, v, *, scale, window=None, softcap=None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Called once after the last layer."""
+
+
+class NoCache(AttentionContext):
+    """Plain causal attention over the tokens of this forward pass only."""
+
+    def __init__(self, batch: int, length: int, device="cpu", offset: int = 0):
+        pos = torch.arange(offset, offset + length, device=device).expand(batch, length)
+        super().__init__(pos)
+
+    def attend(self, layer, q, k, v, *, scale, window=None, softcap=None):
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        t = q.shape[2]
+        mask = attention_mask(self.positions, self.positions, window) if window is not None and window < t else None
+        out = scaled_attention(q, k, v, scale=scale, mask=mask, causal=True, softcap=softcap)
+        return out.transpose(1, 2)

@@ -1,0 +1,238 @@
+"""The exl tensor format, executable reference (see docs/format.md).
+
+Everything here is plain PyTorch and favours clarity over speed: it is the ground truth that the
+quantizer packs with and that every kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+FORMAT_VERSION = 1
+BLOCK = 32  # codes per packed block
+QUANT_SUFFIXES = ("qweight", "qscale", "qmeta", "perm", "su", "sv")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of `k_len` input channels coded with `bits` bits, one scale per `group_size`."""
+
+    k_len: int
+    bits: int
+    group_size: int
+
+    def __post_init__(self):
+        if not 1 <= self.bits <= 8:
+            raise ValueError(f"bits must be in 1..8, got {self.bits}")
+        if self.group_size <= 0 or self.group_size % BLOCK:
+            raise ValueError(f"group_size must be a positive multiple of {BLOCK}, got {self.group_size}")
+        if self.k_len <= 0 or self.k_len % self.group_size:
+            raise ValueError(f"k_len {self.k_len} is not a multiple of group_size {self.group_size}")
+
+    @property
+    def n_groups(self) -> int:
+        return self.k_len // self.group_size
+
+    @property
+    def n_bytes(self) -> int:
+        """Packed bytes of this segment in one row."""
+        return self.k_len // BLOCK * 4 * self.bits
+
+
+def segments_from_meta(qmeta: torch.Tensor) -> list[Segment]:
+    return [Segment(int(k), int(b), int(g)) for k, b, g in qmeta.tolist()]
+
+
+def segments_to_meta(segments: list[Segment]) -> torch.Tensor:
+    return torch.tensor([[s.k_len, s.bits, s.group_size] for s in segments], dtype=torch.int32)
+
+
+def planes(bits: int) -> list[tuple[int, int]]:
+    """Bit planes of a `bits`-bit code as (width, shift), largest plane first (docs/format.md §1.3)."""
+    out, shift = [], 0
+    for width in (8, 4, 2, 1):
+        if bits & width:
+            out.append((width, shift))
+            shift += width
+    return out
+
+
+def code_offset(bits: int) -> float:
+    """The grid centre: w = scale * (q - code_offset(bits))."""
+    return (2**bits - 1) / 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing
+
+
+def _pack_segment(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes: uint8 [N, k_len] -> uint8 [N, k_len/32 * 4*bits]"""
+    n, k = codes.shape
+    blocks = codes.to(torch.int32).view(n, k // BLOCK, BLOCK)
+    parts = []
+    for width, shift in planes(bits):
+        field = (blocks >> shift) & (2**width - 1)
+        field = field.view(n, k // BLOCK, 8 // width, 4 * width)  # [.., a = i div 4p, j = i mod 4p]
+        weights = (torch.arange(8 // width, dtype=torch.int32) * width).view(1, 1, -1, 1)
+        parts.append((field << weights).sum(dim=2))  # fields of one byte occupy disjoint bits
+    return torch.cat(parts, dim=-1).to(torch.uint8).reshape(n, -1)
+
+
+def _unpack_segment(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [N, k_len/32 * 4*bits] -> uint8 codes [N, k_len]"""
+    n = packed.shape[0]
+    blocks = packed.to(torch.int32).view(n, -1, 4 * bits)
+    codes = torch.zeros(n, blocks.shape[1], BLOCK, dtype=torch.int32)
+    offset = 0
+    for width, shift in planes(bits):
+        plane = blocks[:, :, offset : offset + 4 * width].unsqueeze(2)  # [N, nb, 1, 4p]
+        shifts = (torch.arange(8 // width, dtype=torch.int32) * width).view(1, 1, -1, 1)
+        field = (plane >> shifts) & (2**width - 1)  # [N, nb, 8/p, 4p] -> code index a*4p + j
+        codes |= field.reshape(n, -1, BLOCK) << shift
+        offset += 4 * width
+    return codes.reshape(n, -1).to(torch.uint8)
+
+
+def pack_codes(codes: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    """Pack integer codes [N, K] (K in permuted order) into qweight uint8 [N, row_bytes]."""
+    if codes.shape[1] != sum(s.k_len for s in segments):
+        raise ValueError(f"codes have K={codes.shape[1]} but segments cover {sum(s.k_len for s in segments)}")
+    out, k0 = [], 0
+    for s in segments:
+        seg = codes[:, k0 : k0 + s.k_len]
+        if int(seg.max()) >= 2**s.bits:
+            raise ValueError(f"code {int(seg.max())} does not fit in {s.bits} bits")
+        out.append(_pack_segment(seg, s.bits))
+        k0 += s.k_len
+    return torch.cat(out, dim=1).contiguous()
+
+
+def unpack_codes(qweight: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    """Inverse of pack_codes: uint8 [N, row_bytes] -> uint8 codes [N, K]."""
+    out, b0 = [], 0
+    for s in segments:
+        out.append(_unpack_segment(qweight[:, b0 : b0 + s.n_bytes], s.bits))
+        b0 += s.n_bytes
+    if b0 != qweight.shape[1]:
+        raise ValueError(f"qweight has {qweight.shape[1]} bytes per row, segments need {b0}")
+    return torch.cat(out, dim=1)
+
+
+def group_bits_and_offsets(segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per input channel (permuted order): its bit width and the index of its scale group."""
+    bits, groups, g0 = [], [], 0
+    for s in segments:
+        bits.append(torch.full((s.k_len,), s.bits, dtype=torch.int32))
+        groups.append(g0 + torch.arange(s.k_len, dtype=torch.int64) // s.group_size)
+        g0 += s.n_groups
+    return torch.cat(bits), torch.cat(groups)
+
+
+def dequantize_codes(codes: torch.Tensor, qscale: torch.Tensor, segments: list[Segment], dtype=torch.float32):
+    """Codes [N, K] and scales [N, n_groups] -> the permuted, rotated matrix Q [N, K]."""
+    bits, groups = group_bits_and_offsets(segments)
+    centre = (2.0 ** bits.to(torch.float64) - 1) / 2
+    return ((codes.to(torch.float64) - centre) * qscale.to(torch.float64)[:, groups]).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Signs and Hadamard rotations
+
+
+def pack_signs(signs: torch.Tensor) -> torch.Tensor:
+    """±1 vector [n] -> uint8 [ceil(n/8)], bit set means -1."""
+    n = signs.numel()
+    bits = (signs.flatten() < 0).to(torch.int32)
+    bits = torch.nn.functional.pad(bits, (0, (-n) % 8)).view(-1, 8)
+    return (bits << torch.arange(8, dtype=torch.int32)).sum(dim=1).to(torch.uint8)
+
+
+def unpack_signs(packed: torch.Tensor, n: int, dtype=torch.float32) -> torch.Tensor:
+    bits = (packed.to(torch.int32).unsqueeze(1) >> torch.arange(8, dtype=torch.int32)) & 1
+    return (1 - 2 * bits.flatten()[:n]).to(dtype)
+
+
+def hadamard_block(n: int) -> int:
+    """Block size of the block-diagonal Hadamard on n channels: largest power of 2 dividing n, ≤ 128."""
+    return min(n & -n, 128)
+
+
+def fwht(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """Normalized blockwise fast Walsh–Hadamard transform over the last dim (Sylvester order)."""
+    n = x.shape[-1]
+    block = block or hadamard_block(n)
+    shape = x.shape
+    y = x.reshape(-1, n // block, block)
+    h = 1
+    while h < block:
+        y = y.view(y.shape[0], y.shape[1], block // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=3).view(y.shape[0], y.shape[1], block)
+        h *= 2
+    return (y / math.sqrt(block)).reshape(shape)
+
+
+def hadamard_matrix(n: int, dtype=torch.float64) -> torch.Tensor:
+    """Dense H_n (block-diagonal, normalized, symmetric): for tests and the quantizer."""
+    return fwht(torch.eye(n, dtype=dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole layers
+
+
+def dequantize(t: dict[str, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
+    """Reconstruct the dense W [N, K] of a quantized layer given its tensors by suffix."""
+    segments = segments_from_meta(t["qmeta"])
+    q = dequantize_codes(unpack_codes(t["qweight"], segments), t["qscale"], segments, torch.float64)
+    n, k = q.shape
+    w = torch.empty_like(q)
+    if "perm" in t:
+        w[:, t["perm"].long()] = q  # Q[:, j] = Ŵ[:, perm[j]]
+    else:
+        w = q
+    if "su" in t:  # Ŵ = W D_u H_K  =>  W = Ŵ H_K D_u
+        w = fwht(w) * unpack_signs(t["su"], k, torch.float64)
+    if "sv" in t:  # Ŵ = H_N D_v W  =>  W = D_v H_N Ŵ
+        w = unpack_signs(t["sv"], n, torch.float64)[:, None] * fwht(w.T).T
+    return w.to(dtype)
+
+
+def reference_forward(x: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The five forward steps of docs/format.md §1.4 in plain PyTorch (fp32 accumulation)."""
+    segments = segments_from_meta(t["qmeta"])
+    q = dequantize_codes(unpack_codes(t["qweight"], segments), t["qscale"], segments, torch.float32)
+    k = q.shape[1]
+    u = x.to(torch.float32)
+    if "su" in t:
+        u = fwht(u * unpack_signs(t["su"], k))
+    if "perm" in t:
+        u = u[..., t["perm"].long()]
+    z = u @ q.T
+    if "sv" in t:
+        z = fwht(z) * unpack_signs(t["sv"], q.shape[0])
+    if "bias" in t:
+        z = z + t["bias"].to(torch.float32)
+    return z.to(x.dtype)
+
+
+def storage_bits(t: dict[str, torch.Tensor]) -> int:
+    """Stored bits of a quantized layer (docs/format.md §2): everything but the bias."""
+    return sum(8 * t[s].numel() * t[s].element_size() for s in QUANT_SUFFIXES if s in t)
+
+
+def layer_shape(t: dict[str, torch.Tensor]) -> tuple[int, int]:
+    return t["qweight"].shape[0], int(t["qmeta"][:, 0].sum())
+
+
+def bits_per_weight(t: dict[str, torch.Tensor]) -> float:
+    n, k = layer_shape(t)
+    return storage_bits(t) / (n * k)
+
+
+def perm_dtype(k: int) -> torch.dtype:
+    return torch.int16 if k <= 32767 else torch.int32

@@ -1,0 +1,161 @@
+"""The decoder-only language model skeleton shared by every architecture family.
+
+A family file (llama.py, qwen.py, gemma3.py, moe.py) says how one block is built from the
+checkpoint; this file embeds tokens, runs the blocks, and applies the final norm and head.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from exl.cache.base import NoCache
+from exl.config import ModelConfig
+from exl.errors import UnsupportedModelError
+from exl.loader import TensorLoader
+from exl.modules.attention import Attention
+from exl.modules.linear import Linear, load_linear
+from exl.modules.mlp import GatedMLP
+from exl.modules.norm import RMSNorm
+from exl.modules.rope import RotaryEmbedding
+
+ARCHITECTURES: dict[str, type["CausalLM"]] = {}
+
+
+def register(*names: str):
+    def wrap(cls):
+        for name in names:
+            ARCHITECTURES[name] = cls
+        return cls
+
+    return wrap
+
+
+class Builder:
+    """Reads one block's weights: knows the config, the loader, the dtype and the device."""
+
+    def __init__(self, config: ModelConfig, loader: TensorLoader, dtype: torch.dtype, device):
+        self.config, self.loader, self.dtype, self.device = config, loader, dtype, device
+        self._ropes: dict = {}
+
+    def linear(self, prefix: str, k: int, n: int, bias: bool = False):
+        return load_linear(self.loader, prefix, k, n, bias=bias, dtype=self.dtype, device=self.device)
+
+    def norm(self, name: str, dim: int | None = None, offset: float = 0.0) -> RMSNorm:
+        dim = dim or self.config.hidden_size
+        return RMSNorm(self.loader.get(name, torch.float32, (dim,), self.device), self.config.rms_norm_eps, offset)
+
+    def rope(self, layer: int) -> RotaryEmbedding:
+        cfg = self.config.rope_for(layer)
+        key = id(cfg)
+        if key not in self._ropes:  # layers of one kind share one table
+            self._ropes[key] = RotaryEmbedding(cfg, self.config.head_dim, self.config.max_position_embeddings).to(self.device)
+        return self._ropes[key]
+
+    def attention(self, prefix: str, layer: int, *, qkv_bias=False, o_bias=False, qk_norm=False,
+                  norm_offset=0.0, scale=None, softcap=None) -> Attention:
+        c = self.config
+        hd, d = c.head_dim, c.hidden_size
+        return Attention(
+            layer,
+            self.linear(f"{prefix}.q_proj", d, c.num_heads * hd, qkv_bias),
+            self.linear(f"{prefix}.k_proj", d, c.num_kv_heads * hd, qkv_bias),
+            self.linear(f"{prefix}.v_proj", d, c.num_kv_heads * hd, qkv_bias),
+            self.linear(f"{prefix}.o_proj", c.num_heads * hd, d, o_bias),
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=hd, rope=self.rope(layer),
+            scale=scale if scale is not None else hd**-0.5,
+            window=c.sliding_window if c.is_sliding(layer) else None, softcap=softcap,
+            q_norm=self.norm(f"{prefix}.q_norm.weight", hd, norm_offset) if qk_norm else None,
+            k_norm=self.norm(f"{prefix}.k_norm.weight", hd, norm_offset) if qk_norm else None,
+        )
+
+    def mlp(self, prefix: str, intermediate: int | None = None, names=("gate_proj", "up_proj", "down_proj")):
+        c = self.config
+        i = intermediate or c.intermediate_size
+        g, u, dn = names
+        return GatedMLP(self.linear(f"{prefix}.{g}", c.hidden_size, i), self.linear(f"{prefix}.{u}", c.hidden_size, i),
+                        self.linear(f"{prefix}.{dn}", i, c.hidden_size), c.hidden_act)
+
+
+class CausalLM(nn.Module):
+    """Embedding -> blocks -> final norm -> head. Subclasses implement `build_block`."""
+
+    norm_offset = 0.0  # Gemma stores (weight - 1)
+    embed_scale: float | None = None
+
+    def __init__(self, config: ModelConfig, loader: TensorLoader, dtype=torch.float32, device="cpu", progress=True):
+        super().__init__()
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        c, b = config, Builder(config, loader, dtype, device)
+        embed = loader.get("model.embed_tokens.weight", shape=(c.vocab_size, c.hidden_size), device=device)
+        # Keep a half-precision embedding as stored (a quantized model's embedding is fp16): rows are
+        # converted on lookup. Full precision stays in the compute dtype.
+        self.embed_tokens = nn.Parameter(embed if embed.dtype == torch.float16 else embed.to(dtype), requires_grad=False)
+        blocks = range(c.num_layers)
+        if progress:
+            blocks = tqdm(blocks, desc="loading", unit="layer", leave=False)
+        self.layers = nn.ModuleList(self.build_block(b, i, f"model.layers.{i}") for i in blocks)
+        self.norm = b.norm("model.norm.weight", offset=self.norm_offset)
+        if "lm_head.weight" in loader or "lm_head.qweight" in loader:
+            self.lm_head = b.linear("lm_head", c.hidden_size, c.vocab_size)
+        else:  # tied to the embedding
+            self.lm_head = Linear(self.embed_tokens if embed.dtype == dtype else embed.to(dtype))
+
+    def build_block(self, b: Builder, layer: int, prefix: str) -> nn.Module:
+        raise NotImplementedError
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: torch.dtype | None = None, device="cpu", progress=True) -> "CausalLM":
+        """Load a Hugging Face or exl-quantized model folder."""
+        config = ModelConfig.from_dir(path)
+        family = ARCHITECTURES.get(config.architecture)
+        if family is None:
+            raise UnsupportedModelError(
+                f"{Path(path) / 'config.json'}: architecture {config.architecture!r} is not supported. "
+                f"Supported: {', '.join(sorted(ARCHITECTURES))}.")
+        dtype = dtype or (torch.float16 if torch.device(device).type == "cuda" else torch.float32)
+        model = family(config, TensorLoader(path), dtype, device, progress)
+        model.path = Path(path)
+        return model.eval()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.embedding(input_ids, self.embed_tokens).to(self.dtype)
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=self.embed_tokens.dtype).to(self.dtype)
+        return h
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, ctx=None, cache=None, last_only: bool = False,
+                return_hidden: bool = False) -> torch.Tensor:
+        """Logits (float32) for input_ids [B, T].
+
+        ctx: an attention context (exl.cache); or cache: a KVCache to extend; neither: no cache.
+        last_only: compute logits for the last position only (decode, prefill of a prompt).
+        """
+        if ctx is None:
+            b, t = input_ids.shape
+            ctx = cache.context(t) if cache is not None else NoCache(b, t, input_ids.device)
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h, ctx)
+        ctx.finish()
+        if return_hidden:
+            return h
+        return self.logits(h[:, -1:] if last_only else h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.norm(h)).float()
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+
+def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu", progress=True) -> CausalLM:
+    """Load any supported model folder (dense or exl-quantized)."""
+    import exl.models  # noqa: F401  (registers the families)
+
+    return CausalLM.load(path, dtype, device, progress)

@@ -1,0 +1,31 @@
+"""Llama 2/3.x, SmolLM2 and Mistral.
+
+A pre-norm decoder block:  h = x + Attn(RMSNorm(x));  out = h + SwiGLU(RMSNorm(h)),
+with grouped-query attention and rotary embeddings (any rope scaling; Mistral's sliding window).
+"""
+
+from torch import nn
+
+from exl.models.base import Builder, CausalLM, register
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, attn_norm, attn, mlp_norm, mlp):
+        super().__init__()
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
+
+    def forward(self, x, ctx):
+        x = x + self.attn(self.attn_norm(x), ctx)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@register("LlamaForCausalLM", "MistralForCausalLM")
+class Llama(CausalLM):
+    def build_block(self, b: Builder, layer: int, prefix: str):
+        bias = self.config.attention_bias
+        return DecoderBlock(
+            b.norm(f"{prefix}.input_layernorm.weight"),
+            b.attention(f"{prefix}.self_attn", layer, qkv_bias=bias, o_bias=bias),
+            b.norm(f"{prefix}.post_attention_layernorm.weight"),
+            b.mlp(f"{prefix}.mlp"),
+        )

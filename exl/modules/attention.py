@@ -1,0 +1,65 @@
+"""Grouped-query self-attention. Where keys and values live is the attention context's business
+(no cache, a contiguous cache, or the generator's paged cache): see `exl.cache`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from exl.modules.norm import RMSNorm
+from exl.modules.rope import RotaryEmbedding
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean [B, 1, Tq, Tk]: key j is visible from query i if it is not in the future and,
+    with a sliding window, fewer than `window` positions back."""
+    diff = q_pos[:, :, None] - k_pos[:, None, :]
+    mask = diff >= 0
+    if window is not None:
+        mask &= diff < window
+    return mask[:, None]
+
+
+def scaled_attention(q, k, v, *, scale: float, mask: torch.Tensor | None = None, causal: bool = False,
+                     softcap: float | None = None) -> torch.Tensor:
+    """q: [B, Hq, Tq, D], k/v: [B, Hkv, Tk, D] -> [B, Hq, Tq, D]. GQA by head groups."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None and causal:
+        tq, tk = q.shape[2], k.shape[2]
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+class Attention(nn.Module):
+    """Project to q/k/v, optional q/k RMSNorm, RoPE, attend through the context, project out."""
+
+    def __init__(self, layer: int, q_proj, k_proj, v_proj, o_proj, *, num_heads: int, num_kv_heads: int,
+                 head_dim: int, rope: RotaryEmbedding, scale: float, window: int | None = None,
+                 softcap: float | None = None, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
+        super().__init__()
+        self.layer = layer
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rope, self.scale, self.window, self.softcap = rope, scale, window, softcap
+        self.q_norm, self.k_norm = q_norm, k_norm
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = ctx.rope(self.rope, x.dtype)
+        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        out = ctx.attend(self.layer, q, k, v, scale=self.scale, window=self.window, softcap=self.softcap)
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))

@@ -1,0 +1,62 @@
+"""Feed-forward blocks: the gated MLP and the sparse mixture of experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) — SwiGLU / GeGLU."""
+
+    def __init__(self, gate, up, down, act: str = "silu"):
+        super().__init__()
+        self.gate, self.up, self.down = gate, up, down
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts (Mixtral, Qwen2/3-MoE), plus an optional gated shared expert."""
+
+    def __init__(self, router, experts: list[GatedMLP], top_k: int, normalize: bool = True,
+                 shared: GatedMLP | None = None, shared_gate=None):
+        super().__init__()
+        self.router, self.experts = router, nn.ModuleList(experts)
+        self.top_k, self.normalize = top_k, normalize
+        self.shared, self.shared_gate = shared, shared_gate
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [n, k], expert ids [n, k]) for flattened tokens x [n, d]."""
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            token, slot = torch.nonzero(ids == e, as_tuple=True)
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        if self.shared is not None:
+            s = self.shared(x)
+            if self.shared_gate is not None:
+                s = torch.sigmoid(self.shared_gate(x)) * s
+            out = out + s
+        return out.view(shape)
