@@ -1,0 +1,335 @@
+// Torch bindings of the CPU kernels: layer validation, the forward pipeline of docs/format.md
+// §1.4 (sign flip + FWHT, perm gather, fused dequant-matmul, FWHT + sign flip, bias), threading
+// with at::parallel_for and the run-time choice of instruction set.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+namespace exl {
+namespace cpu {
+namespace {
+
+bool cpu_has(const char* feature) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (std::string(feature) == "avx2")
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (std::string(feature) == "avxvnni") return cpu_has("avx2") && __builtin_cpu_supports("avxvnni");
+#endif
+  return false;
+}
+
+std::vector<std::pair<std::string, const Kernels*>> available() {
+  std::vector<std::pair<std::string, const Kernels*>> out = {{"scalar", scalar_kernels()}};
+  if (avx2_kernels() && cpu_has("avx2")) out.push_back({"avx2", avx2_kernels()});
+  if (avxvnni_kernels() && cpu_has("avxvnni")) out.push_back({"avxvnni", avxvnni_kernels()});
+  return out;
+}
+
+const Kernels* kernels_named(const std::string& name) {
+  const auto all = available();
+  if (name.empty() || name == "auto") return all.back().second;
+  for (const auto& [n, k] : all)
+    if (n == name) return k;
+  std::string names;
+  for (const auto& [n, k] : all) names += " " + n;
+  TORCH_CHECK(false, "exl CPU kernels: instruction set '", name, "' is not available here (available:", names,
+              "); set EXL_CPU_ISA to one of these or unset it");
+}
+
+std::vector<std::string> isa_names() {
+  std::vector<std::string> out;
+  for (const auto& [n, k] : available()) out.push_back(n);
+  return out;
+}
+
+int64_t hadamard_block_of(int64_t n) { return exl::hadamard_block(n); }
+
+// Scratch memory of the calling thread, reused across calls (decode runs this per layer per token).
+template <typename T>
+T* scratch(std::vector<uint8_t>& buf, size_t& used, size_t count) {
+  const size_t off = (used + 63) & ~size_t(63);
+  used = off + count * sizeof(T);
+  return reinterpret_cast<T*>(buf.data() + off);
+}
+
+enum class Path { Auto, Int8, Fp32, Gemm };
+
+Path parse_path(const std::string& s) {
+  if (s == "auto") return Path::Auto;
+  if (s == "int8") return Path::Int8;
+  if (s == "fp32") return Path::Fp32;
+  if (s == "gemm") return Path::Gemm;
+  TORCH_CHECK(false, "exl QuantLinear: unknown path '", s, "' (expected auto, int8, fp32 or gemm)");
+}
+
+class QuantLinearCPU {
+ public:
+  QuantLinearCPU(torch::Tensor qweight, torch::Tensor qscale, torch::Tensor qmeta, c10::optional<torch::Tensor> perm,
+                 c10::optional<torch::Tensor> su, c10::optional<torch::Tensor> sv, c10::optional<torch::Tensor> bias)
+      : qweight_(qweight), qscale_(qscale), kernels_(kernels_named(env_isa())) {
+    TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == torch::kUInt8 && qweight.dim() == 2,
+                "exl QuantLinear: qweight must be a 2-D uint8 CPU tensor, got ", qweight.scalar_type(), " ",
+                qweight.sizes());
+    TORCH_CHECK(qscale.device().is_cpu() && qscale.scalar_type() == torch::kHalf && qscale.dim() == 2,
+                "exl QuantLinear: qscale must be a 2-D float16 CPU tensor, got ", qscale.scalar_type(), " ",
+                qscale.sizes());
+    TORCH_CHECK(qmeta.scalar_type() == torch::kInt32 && qmeta.dim() == 2 && qmeta.size(1) == 3 && qmeta.size(0) >= 1,
+                "exl QuantLinear: qmeta must be int32 [n_segments, 3], got ", qmeta.scalar_type(), " ", qmeta.sizes());
+    TORCH_CHECK(qmeta.size(0) <= kMaxSegments, "exl QuantLinear: ", qmeta.size(0), " segments, the kernels support ",
+                kMaxSegments);
+    qweight_ = qweight_.contiguous();
+    qscale_ = qscale_.contiguous();
+    auto meta = qmeta.to(torch::kCPU).contiguous();
+    const int32_t* mp = meta.data_ptr<int32_t>();
+    SegmentTable& t = layer_.segs;
+    t.count = int(meta.size(0));
+    int64_t k = 0, bytes = 0, groups = 0;
+    for (int s = 0; s < t.count; ++s) {
+      const int k_len = mp[3 * s], bits = mp[3 * s + 1], gs = mp[3 * s + 2];
+      TORCH_CHECK(bits >= 1 && bits <= 8, "exl QuantLinear: segment ", s, " has bits=", bits, " (must be 1..8)");
+      TORCH_CHECK(gs > 0 && gs % kBlock == 0, "exl QuantLinear: segment ", s, " has group_size=", gs,
+                  " (must be a positive multiple of 32)");
+      TORCH_CHECK(k_len > 0 && k_len % gs == 0, "exl QuantLinear: segment ", s, " has k_len=", k_len,
+                  " which is not a positive multiple of its group_size ", gs);
+      t.seg[s] = Segment{k_len, bits, gs, int(k), int(bytes), int(groups)};
+      k += k_len;
+      bytes += int64_t(k_len) / kBlock * block_bytes(bits);
+      groups += k_len / gs;
+    }
+    const int64_t N = qweight_.size(0);
+    TORCH_CHECK(qweight_.size(1) == bytes, "exl QuantLinear: qweight has ", qweight_.size(1),
+                " bytes per row but qmeta's segments need ", bytes);
+    TORCH_CHECK(qscale_.size(0) == N && qscale_.size(1) == groups, "exl QuantLinear: qscale is ", qscale_.sizes(),
+                ", qmeta and qweight need [", N, ", ", groups, "]");
+    layer_.qweight = qweight_.data_ptr<uint8_t>();
+    layer_.row_bytes = bytes;
+    layer_.qscale = reinterpret_cast<const uint16_t*>(qscale_.data_ptr<at::Half>());
+    layer_.n_groups = groups;
+    layer_.N = N;
+    layer_.K = k;
+    if (perm && perm->defined()) {
+      perm_ = perm->contiguous();
+      TORCH_CHECK((perm_.scalar_type() == torch::kInt16 || perm_.scalar_type() == torch::kInt32) &&
+                      perm_.dim() == 1 && perm_.size(0) == k,
+                  "exl QuantLinear: perm must be int16/int32 [", k, "], got ", perm_.scalar_type(), " ", perm_.sizes());
+      auto p64 = perm_.to(torch::kInt64);
+      auto seen = torch::zeros({k}, torch::kBool);
+      const int64_t* pp = p64.data_ptr<int64_t>();
+      bool* sp = seen.data_ptr<bool>();
+      for (int64_t i = 0; i < k; ++i) {
+        TORCH_CHECK(pp[i] >= 0 && pp[i] < k && !sp[pp[i]], "exl QuantLinear: perm is not a permutation of 0..", k - 1,
+                    " (entry ", i, " = ", pp[i], ")");
+        sp[pp[i]] = true;
+      }
+    }
+    auto check_signs = [](const c10::optional<torch::Tensor>& s, int64_t n, const char* name) {
+      if (!s || !s->defined()) return torch::Tensor();
+      TORCH_CHECK(s->scalar_type() == torch::kUInt8 && s->dim() == 1 && s->size(0) == (n + 7) / 8, "exl QuantLinear: ",
+                  name, " must be uint8 [", (n + 7) / 8, "], got ", s->scalar_type(), " ", s->sizes());
+      return s->contiguous();
+    };
+    su_ = check_signs(su, k, "su");
+    sv_ = check_signs(sv, N, "sv");
+    if (bias && bias->defined()) {
+      TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "exl QuantLinear: bias must be [", N, "], got ",
+                  bias->sizes());
+      bias_ = bias->to(torch::kFloat32).contiguous();
+    }
+  }
+
+  int64_t in_features() const { return layer_.K; }
+  int64_t out_features() const { return layer_.N; }
+  std::string isa() const { return kernels_->name; }
+  void set_isa(const std::string& name) { kernels_ = kernels_named(name); }
+
+  // Q [N, K] in permuted order, fp32.
+  torch::Tensor dequantize() const {
+    auto out = torch::empty({layer_.N, layer_.K}, torch::kFloat32);
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, layer_.N, 16, [&](int64_t n0, int64_t n1) { kernels_->dequant(layer_, n0, n1, o + n0 * layer_.K, layer_.K); });
+    return out;
+  }
+
+  torch::Tensor forward(const torch::Tensor& x, const std::string& path, int64_t gemm_min_rows) {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32,
+                "exl QuantLinear (CPU kernels): input must be a float32 CPU tensor, got ", x.scalar_type(), " on ",
+                x.device());
+    const int64_t K = layer_.K, N = layer_.N;
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "exl QuantLinear: input has last dimension ",
+                x.dim() ? x.size(-1) : 0, ", the layer has in_features=", K);
+    auto out_shape = x.sizes().vec();
+    out_shape.back() = N;
+    const auto x2 = x.reshape({-1, K}).contiguous();
+    const int64_t M = x2.size(0);
+    auto y = torch::empty({M, N}, torch::kFloat32);
+    if (M == 0) return y.reshape(out_shape);
+    Path p = parse_path(path);
+    if (p == Path::Auto) p = M >= gemm_min_rows ? Path::Gemm : Path::Int8;
+
+    thread_local std::vector<uint8_t> buf;
+    size_t used = 0;
+    const size_t need = 64 * 8 + size_t(M) * K * sizeof(float) * 2 + size_t(M) * (K / kBlock) * 8 +
+                        size_t(M) * layer_.n_groups * 4;
+    if (buf.size() < need) buf.resize(need);
+
+    // 1. u = H (D_u x)
+    const float* u = x2.data_ptr<float>();
+    if (su_.defined()) {
+      float* r = scratch<float>(buf, used, size_t(M) * K);
+      std::copy(u, u + M * K, r);
+      const uint8_t* s = su_.data_ptr<uint8_t>();
+      const int64_t hb = hadamard_block_of(K);
+      at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+        kernels_->fwht(r + m0 * K, m1 - m0, K, K, hb, s, true);
+      });
+      u = r;
+    }
+    float* yp = y.data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(4, (int64_t(1) << 16) / std::max<int64_t>(K, 1));
+    if (p == Path::Int8) {
+      // 2.+3. gather through perm while quantizing to int8, then the fused int8 GEMV
+      const int64_t nb = K / kBlock;
+      int8_t* q = scratch<int8_t>(buf, used, size_t(M) * K);
+      float* d = scratch<float>(buf, used, size_t(M) * nb);
+      int32_t* bsum = scratch<int32_t>(buf, used, size_t(M) * nb);
+      float* gsum = scratch<float>(buf, used, size_t(M) * layer_.n_groups);
+      const void* pp = perm_.defined() ? perm_.data_ptr() : nullptr;
+      const int pb = perm_.defined() ? int(perm_.element_size()) : 0;
+      for (int64_t m = 0; m < M; ++m) {
+        kernels_->quantize_q8(u + m * K, K, pp, pb, q + m * K, d + m * nb, bsum + m * nb);
+        float* gs = gsum + m * layer_.n_groups;
+        for (int s = 0; s < layer_.segs.count; ++s) {
+          const Segment& sg = layer_.segs.seg[s];
+          const int per = sg.group_size / kBlock;
+          for (int g = 0; g < sg.k_len / sg.group_size; ++g) {
+            float acc = 0.0f;
+            for (int j = 0; j < per; ++j) {
+              const int64_t b = sg.k_start / kBlock + int64_t(g) * per + j;
+              acc += d[m * nb + b] * float(bsum[m * nb + b]);
+            }
+            gs[sg.group_start + g] = acc;
+          }
+        }
+      }
+      const ActQ8 a{q, d, gsum, M};
+      at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { kernels_->gemv_q8(layer_, a, yp, N, n0, n1); });
+    } else {
+      // 2. u' = u[perm]
+      if (perm_.defined()) {
+        float* g = scratch<float>(buf, used, size_t(M) * K);
+        if (perm_.scalar_type() == torch::kInt16)
+          gather(u, perm_.data_ptr<int16_t>(), M, K, g);
+        else
+          gather(u, perm_.data_ptr<int32_t>(), M, K, g);
+        u = g;
+      }
+      if (p == Path::Fp32) {
+        at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { kernels_->gemv_f32(layer_, u, M, yp, N, n0, n1); });
+      } else {
+        gemm(u, M, y);
+      }
+    }
+    // 4. y = D_v (H z), 5. bias
+    const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
+    if (sv_.defined() || bp) {
+      const uint8_t* s = sv_.defined() ? sv_.data_ptr<uint8_t>() : nullptr;
+      const int64_t hb = hadamard_block_of(N);
+      at::parallel_for(0, M, std::max<int64_t>(1, 16384 / N), [&](int64_t m0, int64_t m1) {
+        if (s) kernels_->fwht(yp + m0 * N, m1 - m0, N, N, hb, s, false);
+        if (bp)
+          for (int64_t m = m0; m < m1; ++m)
+            for (int64_t n = 0; n < N; ++n) yp[m * N + n] += bp[n];
+      });
+    }
+    return y.reshape(out_shape);
+  }
+
+ private:
+  static std::string env_isa() {
+    const char* e = std::getenv("EXL_CPU_ISA");
+    return e ? std::string(e) : std::string();
+  }
+
+  template <typename I>
+  static void gather(const float* u, const I* perm, int64_t M, int64_t K, float* out) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) out[m * K + k] = u[m * K + perm[k]];
+  }
+
+  // Large batches: dequantize a tile of rows into a cache-sized fp32 buffer, multiply with BLAS.
+  void gemm(const float* u, int64_t M, torch::Tensor& y) const {
+    const int64_t K = layer_.K, N = layer_.N;
+    const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(256, ((int64_t(1) << 18) / K) & ~int64_t(15)));
+    const int64_t n_tiles = (N + tile - 1) / tile;
+    auto ut = torch::from_blob(const_cast<float*>(u), {M, K}, torch::kFloat32);
+    at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
+      auto w = torch::empty({tile, K}, torch::kFloat32);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+        kernels_->dequant(layer_, n0, n1, w.data_ptr<float>(), K);
+        auto out = y.narrow(1, n0, n1 - n0);
+        at::mm_out(out, ut, w.narrow(0, 0, n1 - n0).t());
+      }
+    });
+  }
+
+  torch::Tensor qweight_, qscale_, perm_, su_, sv_, bias_;
+  Layer layer_{};
+  const Kernels* kernels_;
+};
+
+// Standalone FWHT (tests and callers that rotate activations themselves): returns a new tensor.
+torch::Tensor fwht(const torch::Tensor& x, int64_t block, c10::optional<torch::Tensor> signs, bool signs_first,
+                   const std::string& isa) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "exl fwht: expected a float32 CPU tensor");
+  const int64_t n = x.size(-1);
+  if (block <= 0) block = hadamard_block_of(n);
+  TORCH_CHECK((block & (block - 1)) == 0 && n % block == 0, "exl fwht: block ", block,
+              " must be a power of two dividing the last dimension ", n);
+  const uint8_t* s = nullptr;
+  torch::Tensor sc;
+  if (signs && signs->defined()) {
+    sc = signs->contiguous();
+    TORCH_CHECK(sc.scalar_type() == torch::kUInt8 && sc.numel() == (n + 7) / 8, "exl fwht: signs must be uint8 [",
+                (n + 7) / 8, "]");
+    s = sc.data_ptr<uint8_t>();
+  }
+  auto y = x.contiguous().clone();
+  const int64_t rows = n ? y.numel() / n : 0;
+  const Kernels* k = kernels_named(isa);
+  float* p = y.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)),
+                   [&](int64_t r0, int64_t r1) { k->fwht(p + r0 * n, r1 - r0, n, n, block, s, signs_first); });
+  return y;
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace exl
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using exl::cpu::QuantLinearCPU;
+  m.doc() = "exl CPU kernels: fused dequant-matmul for the exl quantized format";
+  m.def("isa_names", &exl::cpu::isa_names, "Instruction sets usable on this CPU, best last");
+  m.def("fwht", &exl::cpu::fwht, py::arg("x"), py::arg("block") = 0, py::arg("signs") = py::none(),
+        py::arg("signs_first") = true, py::arg("isa") = "auto",
+        "Normalized blockwise fast Walsh-Hadamard transform over the last dim, optional sign flip");
+  py::class_<QuantLinearCPU>(m, "QuantLinearCPU")
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
+           py::arg("qweight"), py::arg("qscale"), py::arg("qmeta"), py::arg("perm") = py::none(),
+           py::arg("su") = py::none(), py::arg("sv") = py::none(), py::arg("bias") = py::none())
+      .def("forward", &QuantLinearCPU::forward, py::arg("x"), py::arg("path") = "auto", py::arg("gemm_min_rows") = 17,
+           py::call_guard<py::gil_scoped_release>())
+      .def("dequantize", &QuantLinearCPU::dequantize)
+      .def_property("isa", &QuantLinearCPU::isa, &QuantLinearCPU::set_isa)
+      .def_property_readonly("in_features", &QuantLinearCPU::in_features)
+      .def_property_readonly("out_features", &QuantLinearCPU::out_features);
+}
