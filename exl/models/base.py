@@ -41,6 +41,23 @@ class Builder:
         self.config, self.loader, self.dtype, self.device = config, loader, dtype, device
         self._ropes: dict = {}
 
+    # Hooks a sharding builder (exl.parallel) overrides: which layers, the embedding, the head.
+    def layer_ids(self) -> range:
+        """The decoder layers this model holds (all of them; a pipeline stage holds a range)."""
+        return range(self.config.num_layers)
+
+    def embedding(self) -> torch.Tensor | None:
+        """The token embedding as stored, or None where this model does not embed tokens."""
+        c = self.config
+        return self.loader.get("model.embed_tokens.weight", shape=(c.vocab_size, c.hidden_size), device=self.device)
+
+    def head(self, embed_tokens: torch.Tensor | None) -> nn.Module | None:
+        """The output head: stored `lm_head`, else tied to the embedding."""
+        c = self.config
+        if "lm_head.weight" in self.loader or "lm_head.qweight" in self.loader:
+            return self.linear("lm_head", c.hidden_size, c.vocab_size)
+        return Linear(embed_tokens if embed_tokens.dtype == self.dtype else embed_tokens.to(self.dtype))
+
     def linear(self, prefix: str, k: int, n: int, bias: bool = False):
         return load_linear(self.loader, prefix, k, n, bias=bias, dtype=self.dtype, device=self.device)
 
@@ -86,23 +103,22 @@ class CausalLM(nn.Module):
     norm_offset = 0.0  # Gemma stores (weight - 1)
     embed_scale: float | None = None
 
-    def __init__(self, config: ModelConfig, loader: TensorLoader, dtype=torch.float32, device="cpu", progress=True):
+    def __init__(self, config: ModelConfig, loader: TensorLoader, dtype=torch.float32, device="cpu", progress=True,
+                 builder: Builder | None = None):
         super().__init__()
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
-        c, b = config, Builder(config, loader, dtype, device)
-        embed = loader.get("model.embed_tokens.weight", shape=(c.vocab_size, c.hidden_size), device=device)
+        b = builder or Builder(config, loader, dtype, device)
+        embed = b.embedding()
         # Keep a half-precision embedding as stored (a quantized model's embedding is fp16): rows are
         # converted on lookup. Full precision stays in the compute dtype.
-        self.embed_tokens = nn.Parameter(embed if embed.dtype == torch.float16 else embed.to(dtype), requires_grad=False)
-        blocks = range(c.num_layers)
+        self.embed_tokens = None if embed is None else nn.Parameter(
+            embed if embed.dtype == torch.float16 else embed.to(dtype), requires_grad=False)
+        blocks = b.layer_ids()
         if progress:
             blocks = tqdm(blocks, desc="loading", unit="layer", leave=False)
         self.layers = nn.ModuleList(self.build_block(b, i, f"model.layers.{i}") for i in blocks)
         self.norm = b.norm("model.norm.weight", offset=self.norm_offset)
-        if "lm_head.weight" in loader or "lm_head.qweight" in loader:
-            self.lm_head = b.linear("lm_head", c.hidden_size, c.vocab_size)
-        else:  # tied to the embedding
-            self.lm_head = Linear(self.embed_tokens if embed.dtype == dtype else embed.to(dtype))
+        self.lm_head = b.head(self.embed_tokens)
 
     def build_block(self, b: Builder, layer: int, prefix: str) -> nn.Module:
         raise NotImplementedError
