@@ -73,6 +73,13 @@ def _id_list(value: Any) -> list[int]:
     return []
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"cannot read {path} ({e}); it should be a UTF-8 text file") from e
+
+
 def _load_chat_templates(folder: Path, tokenizer_config: dict) -> tuple[str | dict[str, str] | None, str]:
     """The chat template(s) of a model folder and a description of where they came from.
 
@@ -81,17 +88,18 @@ def _load_chat_templates(folder: Path, tokenizer_config: dict) -> tuple[str | di
     """
     jinja_file = folder / "chat_template.jinja"
     extra_dir = folder / "additional_chat_templates"
-    extra = {p.stem: p.read_text(encoding="utf-8") for p in sorted(extra_dir.glob("*.jinja"))} if extra_dir.is_dir() else {}
+    extra = {p.stem: _read_text(p) for p in sorted(extra_dir.glob("*.jinja"))} if extra_dir.is_dir() else {}
     if jinja_file.is_file():
-        main = jinja_file.read_text(encoding="utf-8")
+        main = _read_text(jinja_file)
         return ({"default": main, **extra} if extra else main), str(jinja_file)
     if extra:
         return extra, str(extra_dir)
     config_file = folder / "tokenizer_config.json"
     value = tokenizer_config.get("chat_template")
     if value is None:
-        value = (_read_json(folder / "chat_template.json") or {}).get("chat_template")
         config_file = folder / "chat_template.json"
+        processor_config = _read_json(config_file)
+        value = processor_config.get("chat_template") if isinstance(processor_config, dict) else None
     if value is None:
         return None, ""
     if isinstance(value, str):
@@ -133,16 +141,18 @@ class Tokenizer:
         self.backend = backend
         self.name = name
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
-        self._lock = threading.Lock()  # guards backend.encode_special_tokens toggling
+        self._lock = threading.Lock()
+        self._text_backend: tokenizers.Tokenizer | None = None  # copy that reads special-token text as text
 
-        def lookup(key: str) -> int | None:
+        def lookup(key: str, default: int | None = None) -> int | None:
             text = self.special_tokens.get(key)
-            return backend.token_to_id(text) if text is not None else None
+            found = backend.token_to_id(text) if text is not None else None
+            return default if found is None else found
 
-        self.bos_token_id = lookup("bos_token") if lookup("bos_token") is not None else bos_token_id
+        self.bos_token_id = lookup("bos_token", bos_token_id)
         eos = [lookup("eos_token")] + list(eos_token_ids)
         self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in eos if i is not None))
-        self.pad_token_id = lookup("pad_token") if lookup("pad_token") is not None else pad_token_id
+        self.pad_token_id = lookup("pad_token", pad_token_id)
         self.unk_token_id = lookup("unk_token")
 
         probe = self._default_specials()
@@ -156,11 +166,17 @@ class Tokenizer:
         self.chat_template = dict(chat_template) if isinstance(chat_template, Mapping) else chat_template
         self.chat_template_source = chat_template_source
         self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self.byte_fallback_ids = self._find_byte_fallback_ids()
         self._pieces: list[str] | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
-        """Load a Hugging Face tokenizer folder (tokenizer.json + optional configs and chat template)."""
+        """Load a Hugging Face tokenizer folder (tokenizer.json + optional configs and chat template).
+
+        Special tokens come from tokenizer_config.json / special_tokens_map.json; extra EOS ids (a list is fine)
+        from generation_config.json and config.json. Whether BOS/EOS are added follows tokenizer.json's
+        post-processor like transformers 5; `add_bos_token`/`add_eos_token` are used only if it has none.
+        """
         folder = Path(path)
         if not folder.is_dir():
             raise ModelLoadError(f"tokenizer folder {folder} does not exist or is not a directory")
@@ -199,6 +215,13 @@ class Tokenizer:
                     return ids[0]
             return None
 
+        def flag(key: str) -> bool | None:
+            # As in transformers 5, tokenizer.json's post-processor decides whether BOS/EOS are added; the
+            # tokenizer_config.json flags only count when tokenizer.json has no post-processor.
+            if backend.post_processor is not None or not isinstance(tc.get(key), bool):
+                return None
+            return tc[key]
+
         eos_ids = _id_list(gen.get("eos_token_id")) + _id_list(cfg.get("eos_token_id")) + _id_list(text_cfg.get("eos_token_id"))
         template, source = _load_chat_templates(folder, tc)
         return cls(
@@ -207,8 +230,8 @@ class Tokenizer:
             bos_token_id=first_id("bos_token_id"),
             eos_token_ids=eos_ids,
             pad_token_id=first_id("pad_token_id"),
-            add_bos=tc.get("add_bos_token") if isinstance(tc.get("add_bos_token"), bool) else None,
-            add_eos=tc.get("add_eos_token") if isinstance(tc.get("add_eos_token"), bool) else None,
+            add_bos=flag("add_bos_token"),
+            add_eos=flag("add_eos_token"),
             chat_template=template,
             chat_template_source=source,
             name=str(folder),
@@ -223,6 +246,14 @@ class Tokenizer:
         bos = self.bos_token_id is not None and full[0] == self.bos_token_id and plain[:1] != full[:1]
         eos = bool(self.eos_token_ids) and full[-1] in self.eos_token_ids and plain[-1:] != full[-1:]
         return bos, eos
+
+    def _find_byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of SentencePiece byte pieces <0x00>..<0xFF> when the decoder turns them into bytes (ByteFallback)."""
+        decoder = self.backend.decoder
+        if decoder is None or b'"ByteFallback"' not in decoder.__getstate__():
+            return frozenset()
+        ids = (self.backend.token_to_id(f"<0x{b:02X}>") for b in range(256))
+        return frozenset(i for i in ids if i is not None)
 
     # -- special tokens -------------------------------------------------------------------------------------------
 
@@ -264,40 +295,34 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool | None = None, special: bool = True, add_eos: bool | None = None) -> list[int]:
         """Token ids of `text`.
 
-        add_bos / add_eos: None uses the model's default (tokenizer_config `add_bos_token`, else what the
-        tokenizer's post-processor does). special: parse special-token text such as "<|im_start|>" as the
+        add_bos / add_eos: None uses the model's default (what tokenizer.json's post-processor adds; see
+        `from_dir`). special: parse special-token text such as "<|im_start|>" as the
         special token; with False it is tokenized as ordinary text (safe for untrusted input).
         """
         if not isinstance(text, str):
             raise TypeError(f"Tokenizer.encode expects a str, got {type(text).__name__}")
-        if special:
-            ids = self.backend.encode(text, add_special_tokens=False).ids
-        else:
-            with self._lock:
-                self.backend.encode_special_tokens = True
-                try:
-                    ids = self.backend.encode(text, add_special_tokens=False).ids
-                finally:
-                    self.backend.encode_special_tokens = False
-        return self._wrap(ids, add_bos, add_eos)
+        backend = self.backend if special else self._plain_text_backend()
+        return self._wrap(backend.encode(text, add_special_tokens=False).ids, add_bos, add_eos)
 
     def encode_batch(self, texts: list[str], add_bos: bool | None = None, special: bool = True,
                      add_eos: bool | None = None) -> list[list[int]]:
         """`encode` for many texts at once (parallel in the Rust backend)."""
-        if special:
-            encs = self.backend.encode_batch(list(texts), add_special_tokens=False)
-        else:
-            with self._lock:
-                self.backend.encode_special_tokens = True
-                try:
-                    encs = self.backend.encode_batch(list(texts), add_special_tokens=False)
-                finally:
-                    self.backend.encode_special_tokens = False
-        return [self._wrap(e.ids, add_bos, add_eos) for e in encs]
+        backend = self.backend if special else self._plain_text_backend()
+        return [self._wrap(e.ids, add_bos, add_eos) for e in backend.encode_batch(list(texts), add_special_tokens=False)]
+
+    def _plain_text_backend(self) -> tokenizers.Tokenizer:
+        """A second backend that tokenizes special-token text as ordinary text (made on first use)."""
+        with self._lock:
+            if self._text_backend is None:
+                copy = tokenizers.Tokenizer.from_str(self.backend.to_str())
+                copy.encode_special_tokens = True
+                self._text_backend = copy
+            return self._text_backend
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of `ids`; incomplete UTF-8 byte sequences come out as U+FFFD. No space clean-up is applied."""
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special)
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # also numpy arrays / torch tensors
+        return self.backend.decode(ids, skip_special_tokens=skip_special)
 
     # -- pieces ---------------------------------------------------------------------------------------------------
 
@@ -343,9 +368,6 @@ class Tokenizer:
         "default"), a template name, or a full Jinja template string. Extra keyword arguments become template
         variables (e.g. `enable_thinking=False`, `date_string=...`) and override the special-token variables.
         """
-        clash = {"messages", "tools", "documents", "add_generation_prompt"} & extra.keys()
-        if clash:
-            raise ChatTemplateError(f"{sorted(clash)} are set by apply_chat_template itself; pass them as its arguments")
         source, name = self._select_template(template, tools)
         return render_chat_template(
             source, messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=documents,
@@ -391,6 +413,9 @@ class StreamDecoder:
     byte tokens) is held back until it completes, so no chunk ends in a spurious U+FFFD. Joining every chunk
     and `flush()` gives exactly `tokenizer.decode(ids, skip_special)`. Each step decodes only a short window:
     the tokens of the previous chunk (context for SentencePiece's leading-space rule) plus those not yet emitted.
+
+    SentencePiece byte-fallback pieces (<0xE2>...) are held until a non-byte token ends their run, because the
+    `tokenizers` ByteFallback decoder turns a whole run into U+FFFDs if any byte in it is invalid.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
@@ -427,6 +452,8 @@ class StreamDecoder:
     def _advance(self, final: bool) -> str:
         if len(self._ids) == self._read:
             return ""
+        if not final and self._ids[-1] in self.tokenizer.byte_fallback_ids:
+            return ""  # a byte run is only final once it ends
         text = self.tokenizer.decode(self._ids)
         if not final and (text.endswith(_REPLACEMENT) or len(text) <= len(self._ctx_text)):
             return ""  # incomplete character (or nothing new): wait for more tokens
