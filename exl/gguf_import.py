@@ -24,9 +24,11 @@ import numpy as np
 import torch
 
 from exl.errors import ExlError, ModelLoadError, UnsupportedModelError
+from exl.gguf_reader import GGUFTensor, read_gguf
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_SHARD_SIZE = 5 * 2**30
+IMPORT_VERSION = "1"  # bump when the written folder changes, so cached imports (exl.assets) are redone
 
 # GGUF tensor name -> HF name ({i} is the layer index)
 LAYER_NAMES = {
@@ -72,44 +74,6 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
 # reading
 
 
-def open_gguf(path: str | os.PathLike):
-    """A `gguf.GGUFReader` for `path`, or a ModelLoadError saying why the file cannot be read."""
-    import gguf
-
-    path = Path(path)
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: no such file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{path} is not a GGUF file (it starts with {magic!r}, expected b'GGUF')")
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader fails in many ways on a damaged file
-        raise ModelLoadError(
-            f"{path} could not be read as GGUF ({type(e).__name__}: {e}); the file is probably truncated or "
-            f"corrupt -- download it again"
-        ) from e
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
-            raise ModelLoadError(
-                f"{path} is truncated: tensor {t.name!r} needs bytes up to {t.data_offset + t.n_bytes}, "
-                f"the file has {size} -- download it again"
-            )
-    return reader
-
-
-def read_metadata(reader) -> dict:
-    """All key/value fields of a GGUF reader as plain Python values (arrays as lists)."""
-    out = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        out[name] = field.contents()
-    return out
-
-
 def _f32(x: float) -> float:
     """A float32 metadata value as the short decimal it was written from (9.99999974e-06 -> 1e-05)."""
     return float(str(np.float32(x)))
@@ -151,7 +115,7 @@ def llama3_rope_freqs(params: dict, head_dim: int, theta: float) -> np.ndarray:
 
 
 def build_config(path, meta: dict, tensors: dict, dtype: torch.dtype) -> dict:
-    """config.json for LlamaForCausalLM from GGUF metadata (`tensors`: name -> ReaderTensor)."""
+    """config.json for LlamaForCausalLM from GGUF metadata and tensors."""
     def get(key, default=None):
         value = meta.get(f"llama.{key}", default)
         if value is None:
@@ -164,12 +128,12 @@ def build_config(path, meta: dict, tensors: dict, dtype: torch.dtype) -> dict:
     head_dim = int(meta.get("llama.attention.key_length", meta.get("llama.rope.dimension_count", hidden // heads)))
     context = int(get("context_length"))
     theta = _f32(get("rope.freq_base", 10000.0))
-    vocab = meta.get("llama.vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])) or int(tensors["token_embd.weight"].shape[-1])
+    vocab = meta.get("llama.vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])) or tensors["token_embd.weight"].shape[0]
 
     rope_scaling = None
     kind = meta.get("llama.rope.scaling.type")
     if "rope_freqs.weight" in tensors:
-        freqs = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32)
+        freqs = tensors["rope_freqs.weight"].dequantize()
         rope_scaling = llama3_rope_parameters(freqs, head_dim, theta, context)
         if rope_scaling is None:
             raise UnsupportedModelError(f"{path}: its rope_freqs.weight does not match Llama-3 rope scaling; not supported")
@@ -236,16 +200,13 @@ def permute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def read_tensor(t, config: dict) -> torch.Tensor:
+def read_tensor(t: GGUFTensor, config: dict) -> torch.Tensor:
     """Dequantize one GGUF tensor to a float32 torch tensor in HF layout."""
-    import gguf
-
     try:
-        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        values = t.dequantize()
     except NotImplementedError as e:
-        raise UnsupportedModelError(f"tensor {t.name!r} has type {t.tensor_type.name}, which cannot be dequantized: {e}")
-    shape = [int(n) for n in reversed(t.shape.tolist())]  # GGUF lists dimensions innermost first
-    w = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))  # a writable copy
+        raise UnsupportedModelError(f"tensor {t.name!r} has type {t.type.name}, which cannot be dequantized: {e}")
+    w = torch.from_numpy(np.array(values))  # a writable copy
     if t.name.startswith("blk.") and ".attn_q." in t.name:
         w = unpermute_rows(w, config["num_attention_heads"])
     elif t.name.startswith("blk.") and ".attn_k." in t.name:
@@ -267,14 +228,14 @@ def plan_shards(names_sizes: list[tuple[str, int]], shard_size: int) -> list[lis
     return shards
 
 
-def write_weights(reader, config: dict, out: Path, dtype: torch.dtype, shard_size: int) -> None:
+def write_weights(tensors: dict[str, GGUFTensor], config: dict, out: Path, dtype: torch.dtype, shard_size: int) -> None:
     """Dequantize all tensors into model.safetensors, or shards plus model.safetensors.index.json."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     itemsize = torch.empty(0, dtype=dtype).element_size()
     by_hf = {}
-    for t in reader.tensors:
+    for t in tensors.values():
         name = hf_name(t.name)
         if name is not None:
             by_hf[name] = t
@@ -436,10 +397,9 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype:
             raise ExlError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
         dtype = DTYPES[dtype]
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = open_gguf(gguf_path)
-    meta = read_metadata(reader)
+    gguf_file = read_gguf(gguf_path)
+    meta, tensors = gguf_file.metadata, gguf_file.tensors
     _require_llama(gguf_path, meta)
-    tensors = {t.name: t for t in reader.tensors}
     for name in tensors:
         try:
             hf_name(name)
@@ -450,7 +410,7 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype:
 
     tmp = _prepare_output(out_dir, force)
     try:
-        write_weights(reader, config, tmp, dtype, shard_size)
+        write_weights(tensors, config, tmp, dtype, shard_size)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
         (tmp / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **generation}, indent=2) + "\n")

