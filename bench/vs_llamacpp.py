@@ -1,0 +1,91 @@
+"""exl vs llama.cpp speed on the same model, in one run, same thread count (llama-bench style).
+
+    python bench/vs_llamacpp.py                       # builds the standard pair (see below), then measures
+    python bench/vs_llamacpp.py --exl DIR --gguf FILE # measure a given pair
+
+The standard pair (issue 4): the function-preserving rotated copy of SmolLM2-135M-Instruct,
+converted by exl at 4.0 bpw, and llama.cpp's Q4_0 of the same rotated model (token embedding F16,
+untied head Q8_0) quantized from an F32 GGUF written by exl's exporter. Artifacts are cached in
+$EXL_CACHE/bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import llamacpp  # noqa: E402
+
+import exl  # noqa: E402
+from exl import benchmark  # noqa: E402
+from exl.assets import cache_dir, smollm2_dir  # noqa: E402
+
+
+def prepare(bits: float = 4.0, seed: int = 0) -> tuple[Path, Path]:
+    """(exl folder, llama.cpp GGUF) for the rotated SmolLM2, built once and cached."""
+    from exl.gguf_export import export_gguf
+    from quant.rotate import rotate_model
+
+    root = cache_dir() / "bench"
+    rotated = root / f"smollm2-rotated-s{seed}"
+    if not (rotated / "config.json").is_file():
+        rotate_model(smollm2_dir(), rotated, seed=seed)
+    exl_dir = root / f"smollm2-rotated-s{seed}-exl-{bits}bpw"
+    if not (exl_dir / "config.json").is_file():
+        subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "convert.py"), "-i", str(rotated),
+                        "-o", str(exl_dir), "-b", str(bits)], check=True)
+    f32 = root / f"smollm2-rotated-s{seed}-f32.gguf"
+    if not f32.is_file():
+        export_gguf(rotated, f32, "f32")
+    q4 = root / f"smollm2-rotated-s{seed}-Q4_0.gguf"
+    if not q4.is_file():
+        llamacpp.quantize(f32, q4, "Q4_0", embedding="F16", head="Q8_0")
+    return exl_dir, q4
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--exl", help="exl model folder (default: build the standard pair)")
+    ap.add_argument("--gguf", help="llama.cpp GGUF file")
+    ap.add_argument("--bits", type=float, default=4.0, help="exl bits per weight for the standard pair")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-r", "--repetitions", type=int, default=3)
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = ap.parse_args(argv)
+    if bool(args.exl) != bool(args.gguf):
+        ap.error("give both --exl and --gguf, or neither")
+    exl_dir, gguf = (Path(args.exl), Path(args.gguf)) if args.exl else prepare(args.bits)
+
+    torch.set_num_threads(args.threads)
+    model = exl.load_model(exl_dir, progress=False)
+    ours = benchmark.run(model, 512, 128, args.repetitions)
+    del model
+    llm = llamacpp.load(gguf, threads=args.threads)
+    theirs = llamacpp.bench(llm, 512, 128, args.repetitions)
+    del llm
+
+    print(f"\n{args.threads} threads, {args.repetitions} timed runs each (mean ± std)\n")
+    print("| test | exl tok/s | llama.cpp tok/s | exl / llama.cpp |")
+    print("|---|---|---|---|")
+    ratios = {}
+    for test in ("pp512", "tg128"):
+        ratios[test] = ours[test] / theirs[test]
+        print(f"| {test} | {ours[test]:.1f} ± {ours[test + '_std']:.1f} | {theirs[test]:.1f} ± "
+              f"{theirs[test + '_std']:.1f} | {ratios[test]:.2f}x |")
+    print(f"\nexl: {exl_dir} ({ours['bpw']:.2f} bpw, peak RSS {ours['peak_rss_mib']:.0f} MiB)\nllama.cpp: {gguf}")
+    if args.json:
+        print(json.dumps({"exl": ours, "llamacpp": theirs, "pp512_ratio": ratios["pp512"],
+                          "tg128_ratio": ratios["tg128"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

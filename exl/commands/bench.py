@@ -1,0 +1,49 @@
+"""`exl bench`: prompt-processing and generation speed in the style of llama-bench."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from exl.errors import ExlError
+
+
+def add_arguments(p):
+    p.add_argument("-m", "--model", required=True, help="model folder (dense or exl-quantized)")
+    p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for the pp test (default 512, 0 skips)")
+    p.add_argument("-n", "--n-gen", type=int, default=128, help="tokens for the tg test (default 128, 0 skips)")
+    p.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs per test after one warm-up (default 3)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    try:
+        from exl.parallel import add_parallel_arguments
+    except ImportError:
+        pass
+    else:
+        add_parallel_arguments(p)
+
+
+def run(args) -> int:
+    import torch
+
+    from exl import benchmark
+    from exl.runtime import load_for_cli
+
+    if args.repetitions < 1:
+        raise ExlError(f"--repetitions must be at least 1, got {args.repetitions}")
+    if args.n_prompt < 0 or args.n_gen < 0 or args.n_prompt + args.n_gen == 0:
+        raise ExlError("--n-prompt and --n-gen must be >= 0 and not both 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_for_cli(args.model, args, progress=sys.stderr.isatty())
+    result = benchmark.run(model, args.n_prompt, args.n_gen, args.repetitions,
+                           progress=lambda name, v: print(f"  {name}: {v:8.1f} tok/s", file=sys.stderr))
+    print(f"| model | bpw | threads | test | tok/s |\n|---|---|---|---|---|")
+    for test in (f"pp{args.n_prompt}", f"tg{args.n_gen}"):
+        if test in result:
+            print(f"| {args.model} | {result['bpw']:.2f} | {result['threads']} | {test} | "
+                  f"{result[test]:.1f} ± {result[test + '_std']:.1f} |")
+    print(f"peak RSS {result['peak_rss_mib']:.0f} MiB")
+    if args.json:
+        print(json.dumps(result))
+    return 0
