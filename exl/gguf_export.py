@@ -112,7 +112,7 @@ def _pre_tokenizer_name(hf_dir: Path, pre: dict | None) -> str:
     parts = pre.get("pretokenizers", [pre]) if pre else []
     types = [p["type"] for p in parts]
     if types == ["ByteLevel"] and parts[0].get("use_regex", True):
-        return "gpt2"
+        return "gpt-2"  # llama.cpp's name for GPT-2's split regex
     if types == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and parts[1].get("use_regex", True):
         return "smollm"
     if types == ["Split", "ByteLevel"] and not parts[1].get("use_regex", True):

@@ -290,3 +290,25 @@ def test_assets_download(tmp_path, monkeypatch):
     path = assets.smollm2_gguf()
     assert path.read_bytes()[:4] == b"GGUF" and path.stat().st_size > 50_000_000
     assert [p.name for p in tmp_path.iterdir()] == [assets.GGUF_NAME]
+
+
+def test_export_runs_in_llama_cpp(tiny_dir, tiny_gguf):
+    """llama.cpp itself reads the export: same tokens as our tokenizer.json, same logits as transformers."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from tokenizers import Tokenizer
+
+    llm = llama_cpp.Llama(str(tiny_gguf), n_ctx=256, logits_all=True, verbose=False, n_threads=2,
+                          type_k=0, type_v=0)  # F32 KV cache, so only float rounding differs
+    try:
+        ids = Tokenizer.from_file(str(tiny_dir / "tokenizer.json")).encode(TEXT).ids
+        assert llm.tokenize(TEXT.encode(), add_bos=False, special=True) == ids
+        ids = ids[:48]
+        llm.eval(ids)
+        got = torch.from_numpy(np.array(llm.scores[: len(ids)]))
+    finally:
+        llm.close()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0]
+    assert torch.allclose(got, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
