@@ -60,6 +60,13 @@ class TensorLoader:
     def with_prefix(self, prefix: str) -> list[str]:
         return [k for k in self.files if k.startswith(prefix)]
 
+    def info(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, safetensors dtype such as "F16") of a stored tensor, without reading its data."""
+        if name not in self.files:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing.")
+        sl = self._open(self.files[name]).get_slice(name)
+        return tuple(sl.get_shape()), sl.get_dtype()
+
     def get(self, name: str, dtype: torch.dtype | None = None, shape: tuple | None = None,
             device: str | torch.device = "cpu") -> torch.Tensor:
         """One tensor, optionally converted and checked against an expected shape."""
