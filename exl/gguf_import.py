@@ -71,7 +71,7 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# reading
+# metadata helpers
 
 
 def _f32(x: float) -> float:
