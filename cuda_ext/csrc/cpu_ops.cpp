@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "layer.h"
 
 namespace exl {
 namespace cpu {
@@ -72,76 +73,25 @@ Path parse_path(const std::string& s) {
 class QuantLinearCPU {
  public:
   QuantLinearCPU(torch::Tensor qweight, torch::Tensor qscale, torch::Tensor qmeta, c10::optional<torch::Tensor> perm,
-                 c10::optional<torch::Tensor> su, c10::optional<torch::Tensor> sv, c10::optional<torch::Tensor> bias)
-      : qweight_(qweight), qscale_(qscale), kernels_(kernels_named(env_isa())) {
-    TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == torch::kUInt8 && qweight.dim() == 2,
-                "exl QuantLinear: qweight must be a 2-D uint8 CPU tensor, got ", qweight.scalar_type(), " ",
-                qweight.sizes());
-    TORCH_CHECK(qscale.device().is_cpu() && qscale.scalar_type() == torch::kHalf && qscale.dim() == 2,
-                "exl QuantLinear: qscale must be a 2-D float16 CPU tensor, got ", qscale.scalar_type(), " ",
-                qscale.sizes());
-    TORCH_CHECK(qmeta.scalar_type() == torch::kInt32 && qmeta.dim() == 2 && qmeta.size(1) == 3 && qmeta.size(0) >= 1,
-                "exl QuantLinear: qmeta must be int32 [n_segments, 3], got ", qmeta.scalar_type(), " ", qmeta.sizes());
-    TORCH_CHECK(qmeta.size(0) <= kMaxSegments, "exl QuantLinear: ", qmeta.size(0), " segments, the kernels support ",
-                kMaxSegments);
-    qweight_ = qweight_.contiguous();
-    qscale_ = qscale_.contiguous();
-    auto meta = qmeta.to(torch::kCPU).contiguous();
-    const int32_t* mp = meta.data_ptr<int32_t>();
-    SegmentTable& t = layer_.segs;
-    t.count = int(meta.size(0));
-    int64_t k = 0, bytes = 0, groups = 0;
-    for (int s = 0; s < t.count; ++s) {
-      const int k_len = mp[3 * s], bits = mp[3 * s + 1], gs = mp[3 * s + 2];
-      TORCH_CHECK(bits >= 1 && bits <= 8, "exl QuantLinear: segment ", s, " has bits=", bits, " (must be 1..8)");
-      TORCH_CHECK(gs > 0 && gs % kBlock == 0, "exl QuantLinear: segment ", s, " has group_size=", gs,
-                  " (must be a positive multiple of 32)");
-      TORCH_CHECK(k_len > 0 && k_len % gs == 0, "exl QuantLinear: segment ", s, " has k_len=", k_len,
-                  " which is not a positive multiple of its group_size ", gs);
-      t.seg[s] = Segment{k_len, bits, gs, int(k), int(bytes), int(groups)};
-      k += k_len;
-      bytes += int64_t(k_len) / kBlock * block_bytes(bits);
-      groups += k_len / gs;
-    }
-    const int64_t N = qweight_.size(0);
-    TORCH_CHECK(qweight_.size(1) == bytes, "exl QuantLinear: qweight has ", qweight_.size(1),
-                " bytes per row but qmeta's segments need ", bytes);
-    TORCH_CHECK(qscale_.size(0) == N && qscale_.size(1) == groups, "exl QuantLinear: qscale is ", qscale_.sizes(),
-                ", qmeta and qweight need [", N, ", ", groups, "]");
+                 c10::optional<torch::Tensor> su, c10::optional<torch::Tensor> sv, c10::optional<torch::Tensor> bias,
+                 const std::string& isa)
+      : kernels_(kernels_named(isa.empty() ? env_isa() : isa)) {
+    const LayerSpec spec = check_layer(qweight, qscale, qmeta, perm, su, sv, bias);
+    TORCH_CHECK(qweight.device().is_cpu(), "exl QuantLinear (CPU kernels): the layer's tensors must be on the CPU, got ",
+                qweight.device());
+    qweight_ = qweight.contiguous();
+    qscale_ = qscale.contiguous();
+    if (present(perm)) perm_ = perm->contiguous();
+    if (present(su)) su_ = su->contiguous();
+    if (present(sv)) sv_ = sv->contiguous();
+    if (present(bias)) bias_ = bias->to(torch::kFloat32).contiguous();
     layer_.qweight = qweight_.data_ptr<uint8_t>();
-    layer_.row_bytes = bytes;
+    layer_.row_bytes = spec.row_bytes;
     layer_.qscale = reinterpret_cast<const uint16_t*>(qscale_.data_ptr<at::Half>());
-    layer_.n_groups = groups;
-    layer_.N = N;
-    layer_.K = k;
-    if (perm && perm->defined()) {
-      perm_ = perm->contiguous();
-      TORCH_CHECK((perm_.scalar_type() == torch::kInt16 || perm_.scalar_type() == torch::kInt32) &&
-                      perm_.dim() == 1 && perm_.size(0) == k,
-                  "exl QuantLinear: perm must be int16/int32 [", k, "], got ", perm_.scalar_type(), " ", perm_.sizes());
-      auto p64 = perm_.to(torch::kInt64);
-      auto seen = torch::zeros({k}, torch::kBool);
-      const int64_t* pp = p64.data_ptr<int64_t>();
-      bool* sp = seen.data_ptr<bool>();
-      for (int64_t i = 0; i < k; ++i) {
-        TORCH_CHECK(pp[i] >= 0 && pp[i] < k && !sp[pp[i]], "exl QuantLinear: perm is not a permutation of 0..", k - 1,
-                    " (entry ", i, " = ", pp[i], ")");
-        sp[pp[i]] = true;
-      }
-    }
-    auto check_signs = [](const c10::optional<torch::Tensor>& s, int64_t n, const char* name) {
-      if (!s || !s->defined()) return torch::Tensor();
-      TORCH_CHECK(s->scalar_type() == torch::kUInt8 && s->dim() == 1 && s->size(0) == (n + 7) / 8, "exl QuantLinear: ",
-                  name, " must be uint8 [", (n + 7) / 8, "], got ", s->scalar_type(), " ", s->sizes());
-      return s->contiguous();
-    };
-    su_ = check_signs(su, k, "su");
-    sv_ = check_signs(sv, N, "sv");
-    if (bias && bias->defined()) {
-      TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "exl QuantLinear: bias must be [", N, "], got ",
-                  bias->sizes());
-      bias_ = bias->to(torch::kFloat32).contiguous();
-    }
+    layer_.n_groups = spec.n_groups;
+    layer_.N = spec.N;
+    layer_.K = spec.K;
+    layer_.segs = spec.segs;
   }
 
   int64_t in_features() const { return layer_.K; }
@@ -157,7 +107,7 @@ class QuantLinearCPU {
     return out;
   }
 
-  torch::Tensor forward(const torch::Tensor& x, const std::string& path, int64_t gemm_min_rows) {
+  torch::Tensor forward(const torch::Tensor& x, const std::string& path, int64_t gemm_min_rows, bool exact) {
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32,
                 "exl QuantLinear (CPU kernels): input must be a float32 CPU tensor, got ", x.scalar_type(), " on ",
                 x.device());
@@ -171,7 +121,7 @@ class QuantLinearCPU {
     auto y = torch::empty({M, N}, torch::kFloat32);
     if (M == 0) return y.reshape(out_shape);
     Path p = parse_path(path);
-    if (p == Path::Auto) p = M >= gemm_min_rows ? Path::Gemm : Path::Int8;
+    if (p == Path::Auto) p = M >= gemm_min_rows ? Path::Gemm : (exact ? Path::Fp32 : Path::Int8);
 
     thread_local std::vector<uint8_t> buf;
     size_t used = 0;
@@ -323,10 +273,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Normalized blockwise fast Walsh-Hadamard transform over the last dim, optional sign flip");
   py::class_<QuantLinearCPU>(m, "QuantLinearCPU")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
-                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
+                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                    const std::string&>(),
            py::arg("qweight"), py::arg("qscale"), py::arg("qmeta"), py::arg("perm") = py::none(),
-           py::arg("su") = py::none(), py::arg("sv") = py::none(), py::arg("bias") = py::none())
-      .def("forward", &QuantLinearCPU::forward, py::arg("x"), py::arg("path") = "auto", py::arg("gemm_min_rows") = 17,
+           py::arg("su") = py::none(), py::arg("sv") = py::none(), py::arg("bias") = py::none(), py::arg("isa") = "")
+      .def("forward", &QuantLinearCPU::forward, py::arg("x"), py::arg("path") = "auto", py::arg("gemm_min_rows") = 17, py::arg("exact") = false,
            py::call_guard<py::gil_scoped_release>())
       .def("dequantize", &QuantLinearCPU::dequantize)
       .def_property("isa", &QuantLinearCPU::isa, &QuantLinearCPU::set_isa)

@@ -1,0 +1,364 @@
+// CUDA kernels for Ampere / Ada / Hopper: fused dequant GEMV (1-8 rows), tile dequantization for
+// the cuBLAS GEMM path, the blockwise Hadamard transform, perm gather and the KV-cache quantizer.
+// Block decoding is format.h's, shared with the CPU kernels.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "cuda_kernels.h"
+#include "format.h"
+
+namespace exl {
+namespace cuda {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ float load_f(const T* p);
+template <>
+__device__ __forceinline__ float load_f<float>(const float* p) { return *p; }
+template <>
+__device__ __forceinline__ float load_f<__half>(const __half* p) { return __half2float(*p); }
+
+template <typename T>
+__device__ __forceinline__ void store_f(T* p, float v);
+template <>
+__device__ __forceinline__ void store_f<float>(float* p, float v) { *p = v; }
+template <>
+__device__ __forceinline__ void store_f<__half>(__half* p, float v) { *p = __float2half_rn(v); }
+
+// ---------------------------------------------------------------------------------------------
+// GEMV: one warp per output row. Lane l takes blocks l, l+32, ... of each segment: it reads the
+// block's 4*BITS bytes (the warp reads 32 consecutive blocks, one contiguous span of the row),
+// decodes the 32 codes and dots them with the fp32 activations of up to MR rows.
+
+template <int BITS, int MR>
+__device__ __forceinline__ void gemv_segment(const uint8_t* row, const __half* srow, const Segment& sg,
+                                             const float* __restrict__ x, int64_t K, int M, float (&acc)[MR],
+                                             int lane) {
+  const int nb = sg.k_len / kBlock;
+  const float c = code_offset(BITS);
+  for (int b = lane; b < nb; b += kWarp) {
+    uint32_t w[BITS];
+    load_block_words<BITS>(row + sg.byte_start + int64_t(b) * block_bytes(BITS), w);
+    const float s = __half2float(srow[sg.group_start + b * kBlock / sg.group_size]);
+    const float* xb = x + sg.k_start + int64_t(b) * kBlock;
+    float part[MR];
+#pragma unroll
+    for (int m = 0; m < MR; ++m) part[m] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kBlock; i += 4) {
+      const float q0 = float(block_code<BITS>(w, i)) - c;
+      const float q1 = float(block_code<BITS>(w, i + 1)) - c;
+      const float q2 = float(block_code<BITS>(w, i + 2)) - c;
+      const float q3 = float(block_code<BITS>(w, i + 3)) - c;
+#pragma unroll
+      for (int m = 0; m < MR; ++m) {
+        if (m < M) {
+          const float4 xv = __ldg(reinterpret_cast<const float4*>(xb + m * K + i));
+          part[m] = fmaf(q0, xv.x, fmaf(q1, xv.y, fmaf(q2, xv.z, fmaf(q3, xv.w, part[m]))));
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < MR; ++m) acc[m] = fmaf(s, part[m], acc[m]);
+  }
+}
+
+template <int MR>
+__global__ void gemv_kernel(LayerDev L, const float* __restrict__ x, int M, float* __restrict__ z) {
+  const int64_t n = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (n >= L.N) return;
+  const uint8_t* row = L.qweight + n * L.row_bytes;
+  const __half* srow = L.qscale + n * L.n_groups;
+  float acc[MR];
+#pragma unroll
+  for (int m = 0; m < MR; ++m) acc[m] = 0.0f;
+  for (int s = 0; s < L.segs.count; ++s) {
+    const Segment sg = L.segs.seg[s];
+    switch (sg.bits) {
+      case 1: gemv_segment<1, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
+      case 2: gemv_segment<2, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
+      case 3: gemv_segment<3, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
+      case 4: gemv_segment<4, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
+      case 5: gemv_segment<5, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
+      case 6: gemv_segment<6, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
+      case 7: gemv_segment<7, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
+      default: gemv_segment<8, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MR; ++m) {
+    const float v = warp_sum(acc[m]);
+    if (lane == 0 && m < M) z[m * L.N + n] = v;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequantization to fp16, one warp per row, one block of 32 codes per lane and step.
+
+template <int BITS>
+__device__ __forceinline__ void dequant_segment(const uint8_t* row, const __half* srow, const Segment& sg,
+                                                __half* out, int lane) {
+  const int nb = sg.k_len / kBlock;
+  const float c = code_offset(BITS);
+  for (int b = lane; b < nb; b += kWarp) {
+    uint32_t w[BITS];
+    load_block_words<BITS>(row + sg.byte_start + int64_t(b) * block_bytes(BITS), w);
+    const float s = __half2float(srow[sg.group_start + b * kBlock / sg.group_size]);
+    uint4 v[4];
+    __half2* h = reinterpret_cast<__half2*>(v);
+#pragma unroll
+    for (int i = 0; i < kBlock / 2; ++i)
+      h[i] = __floats2half2_rn((float(block_code<BITS>(w, 2 * i)) - c) * s,
+                               (float(block_code<BITS>(w, 2 * i + 1)) - c) * s);
+    uint4* dst = reinterpret_cast<uint4*>(out + sg.k_start + int64_t(b) * kBlock);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) dst[j] = v[j];
+  }
+}
+
+__global__ void dequant_kernel(LayerDev L, int64_t n0, int64_t n1, __half* __restrict__ out) {
+  const int64_t n = n0 + (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (n >= n1) return;
+  const uint8_t* row = L.qweight + n * L.row_bytes;
+  const __half* srow = L.qscale + n * L.n_groups;
+  __half* o = out + (n - n0) * L.K;
+  for (int s = 0; s < L.segs.count; ++s) {
+    const Segment sg = L.segs.seg[s];
+    switch (sg.bits) {
+      case 1: dequant_segment<1>(row, srow, sg, o, lane); break;
+      case 2: dequant_segment<2>(row, srow, sg, o, lane); break;
+      case 3: dequant_segment<3>(row, srow, sg, o, lane); break;
+      case 4: dequant_segment<4>(row, srow, sg, o, lane); break;
+      case 5: dequant_segment<5>(row, srow, sg, o, lane); break;
+      case 6: dequant_segment<6>(row, srow, sg, o, lane); break;
+      case 7: dequant_segment<7>(row, srow, sg, o, lane); break;
+      default: dequant_segment<8>(row, srow, sg, o, lane); break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Blockwise Hadamard transform. One thread block per (row, chunk of kChunk values); chunks are
+// whole Hadamard blocks (block <= 128 divides kChunk), butterflies in shared memory.
+
+constexpr int kChunk = 2048;
+constexpr int kHadThreads = 256;
+
+template <typename TI, typename TO>
+__global__ void hadamard_kernel(const TI* __restrict__ in, TO* __restrict__ out, int64_t n, int block, float norm,
+                                const uint8_t* __restrict__ signs, bool signs_first, const float* __restrict__ bias) {
+  __shared__ float sh[kChunk];
+  const int64_t r = blockIdx.x;
+  const int64_t c0 = int64_t(blockIdx.y) * kChunk;
+  const int len = n - c0 < kChunk ? int(n - c0) : kChunk;
+  const TI* src = in + r * n + c0;
+  for (int i = threadIdx.x; i < len; i += blockDim.x) {
+    float v = load_f<TI>(src + i);
+    if (signs && signs_first) v *= sign_at(signs, c0 + i);
+    sh[i] = v;
+  }
+  __syncthreads();
+  for (int h = 1; h < block; h <<= 1) {
+    for (int p = threadIdx.x; p < len / 2; p += blockDim.x) {
+      const int i = (p / h) * 2 * h + (p % h);
+      const float a = sh[i], b = sh[i + h];
+      sh[i] = a + b;
+      sh[i + h] = a - b;
+    }
+    __syncthreads();
+  }
+  TO* dst = out + r * n + c0;
+  for (int i = threadIdx.x; i < len; i += blockDim.x) {
+    float v = sh[i] * norm;
+    if (signs && !signs_first) v *= sign_at(signs, c0 + i);
+    if (bias) v += bias[c0 + i];
+    store_f<TO>(dst + i, v);
+  }
+}
+
+template <typename I>
+__global__ void gather_kernel(const float* __restrict__ in, const I* __restrict__ perm, int64_t M, int64_t K,
+                              float* __restrict__ out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= M * K) return;
+  const int64_t m = i / K, k = i % K;
+  out[i] = in[m * K + int64_t(perm[k])];
+}
+
+// ---------------------------------------------------------------------------------------------
+// KV cache: one warp per head vector of d channels, staged in shared memory.
+
+__device__ __forceinline__ void warp_fwht(float* v, int d, int block, int lane) {
+  for (int h = 1; h < block; h <<= 1) {
+    for (int p = lane; p < d / 2; p += kWarp) {
+      const int i = (p / h) * 2 * h + (p % h);
+      const float a = v[i], b = v[i + h];
+      v[i] = a + b;
+      v[i + h] = a - b;
+    }
+    __syncwarp();
+  }
+}
+
+template <int BITS>
+__global__ void kv_quantize_kernel(const __half* __restrict__ x, int64_t rows, int d, int block, float norm,
+                                   uint8_t* __restrict__ packed, __half* __restrict__ scales) {
+  extern __shared__ float smem[];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t r = int64_t(blockIdx.x) * (blockDim.x / kWarp) + warp;
+  if (r >= rows) return;
+  float* v = smem + warp * d;
+  for (int i = lane; i < d; i += kWarp) v[i] = __half2float(x[r * d + i]);
+  __syncwarp();
+  warp_fwht(v, d, block, lane);
+  float amax = 0.0f;
+  for (int i = lane; i < d; i += kWarp) {
+    v[i] *= norm;
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+  amax = warp_max(amax);
+  __syncwarp();
+  const float c = code_offset(BITS);
+  const __half hs = __float2half_rn(amax / c);
+  const float s = __half2float(hs);
+  const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+  if (lane == 0) scales[r] = hs;
+  const float top = float((1 << BITS) - 1);
+  for (int b = lane; b < d / kBlock; b += kWarp) {
+    uint32_t codes[kBlock], w[BITS];
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) codes[i] = uint32_t(fminf(fmaxf(rintf(v[b * kBlock + i] * inv + c), 0.0f), top));
+    encode_block<BITS>(codes, w);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(packed + r * (int64_t(d) * BITS / 8) + b * block_bytes(BITS));
+#pragma unroll
+    for (int t = 0; t < BITS; ++t) dst[t] = w[t];
+  }
+}
+
+template <int BITS>
+__global__ void kv_dequantize_kernel(const uint8_t* __restrict__ packed, const __half* __restrict__ scales,
+                                     int64_t rows, int d, int block, float norm, bool rotate, __half* __restrict__ out) {
+  extern __shared__ float smem[];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t r = int64_t(blockIdx.x) * (blockDim.x / kWarp) + warp;
+  if (r >= rows) return;
+  float* v = smem + warp * d;
+  const float s = __half2float(scales[r]);
+  const float c = code_offset(BITS);
+  for (int b = lane; b < d / kBlock; b += kWarp) {
+    uint32_t w[BITS];
+    load_block_words<BITS>(packed + r * (int64_t(d) * BITS / 8) + b * block_bytes(BITS), w);
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) v[b * kBlock + i] = (float(block_code<BITS>(w, i)) - c) * s;
+  }
+  __syncwarp();
+  if (rotate) warp_fwht(v, d, block, lane);
+  const float f = rotate ? norm : 1.0f;
+  for (int i = lane; i < d; i += kWarp) out[r * d + i] = __float2half_rn(v[i] * f);
+}
+
+inline unsigned blocks_for(int64_t threads, int per_block) { return unsigned((threads + per_block - 1) / per_block); }
+
+}  // namespace
+
+void launch_gemv(const LayerDev& L, const float* x, int M, float* z, cudaStream_t stream) {
+  const int threads = 128;  // 4 warps = 4 output rows per thread block
+  const unsigned grid = blocks_for(L.N * kWarp, threads);
+  if (M <= 1)
+    gemv_kernel<1><<<grid, threads, 0, stream>>>(L, x, M, z);
+  else if (M <= 2)
+    gemv_kernel<2><<<grid, threads, 0, stream>>>(L, x, M, z);
+  else if (M <= 4)
+    gemv_kernel<4><<<grid, threads, 0, stream>>>(L, x, M, z);
+  else
+    gemv_kernel<8><<<grid, threads, 0, stream>>>(L, x, M, z);
+}
+
+void launch_dequant(const LayerDev& L, int64_t n0, int64_t n1, __half* out, cudaStream_t stream) {
+  const int threads = 256;
+  dequant_kernel<<<blocks_for((n1 - n0) * kWarp, threads), threads, 0, stream>>>(L, n0, n1, out);
+}
+
+void launch_hadamard(const void* in, bool in_half, void* out, bool out_half, int64_t rows, int64_t n, int64_t block,
+                     const uint8_t* signs, bool signs_first, const float* bias, cudaStream_t stream) {
+  if (rows == 0 || n == 0) return;
+  const dim3 grid(unsigned(rows), unsigned((n + kChunk - 1) / kChunk));
+  const float norm = 1.0f / sqrtf(float(block));
+  const int b = int(block);
+#define EXL_HAD(TI, TO)                                                                                        \
+  hadamard_kernel<TI, TO><<<grid, kHadThreads, 0, stream>>>(static_cast<const TI*>(in), static_cast<TO*>(out), \
+                                                            n, b, norm, signs, signs_first, bias)
+  if (in_half && out_half)
+    EXL_HAD(__half, __half);
+  else if (in_half)
+    EXL_HAD(__half, float);
+  else if (out_half)
+    EXL_HAD(float, __half);
+  else
+    EXL_HAD(float, float);
+#undef EXL_HAD
+}
+
+void launch_gather(const float* in, const void* perm, int perm_bytes, int64_t M, int64_t K, float* out,
+                   cudaStream_t stream) {
+  const int threads = 256;
+  const unsigned grid = blocks_for(M * K, threads);
+  if (perm_bytes == 2)
+    gather_kernel<int16_t><<<grid, threads, 0, stream>>>(in, static_cast<const int16_t*>(perm), M, K, out);
+  else
+    gather_kernel<int32_t><<<grid, threads, 0, stream>>>(in, static_cast<const int32_t*>(perm), M, K, out);
+}
+
+void launch_kv_quantize(const __half* x, int64_t rows, int d, int bits, uint8_t* packed, __half* scales,
+                        cudaStream_t stream) {
+  const int threads = 128, warps = threads / kWarp;
+  const int block = int(hadamard_block(d));
+  const float norm = 1.0f / sqrtf(float(block));
+  const unsigned grid = blocks_for(rows, warps);
+  const size_t smem = size_t(warps) * d * sizeof(float);
+  switch (bits) {
+    case 4: kv_quantize_kernel<4><<<grid, threads, smem, stream>>>(x, rows, d, block, norm, packed, scales); break;
+    case 5: kv_quantize_kernel<5><<<grid, threads, smem, stream>>>(x, rows, d, block, norm, packed, scales); break;
+    case 6: kv_quantize_kernel<6><<<grid, threads, smem, stream>>>(x, rows, d, block, norm, packed, scales); break;
+    default: kv_quantize_kernel<8><<<grid, threads, smem, stream>>>(x, rows, d, block, norm, packed, scales); break;
+  }
+}
+
+void launch_kv_dequantize(const uint8_t* packed, const __half* scales, int64_t rows, int d, int bits, bool rotate,
+                          __half* out, cudaStream_t stream) {
+  const int threads = 128, warps = threads / kWarp;
+  const int block = int(hadamard_block(d));
+  const float norm = 1.0f / sqrtf(float(block));
+  const unsigned grid = blocks_for(rows, warps);
+  const size_t smem = size_t(warps) * d * sizeof(float);
+#define EXL_KVD(B) \
+  kv_dequantize_kernel<B><<<grid, threads, smem, stream>>>(packed, scales, rows, d, block, norm, rotate, out)
+  switch (bits) {
+    case 4: EXL_KVD(4); break;
+    case 5: EXL_KVD(5); break;
+    case 6: EXL_KVD(6); break;
+    default: EXL_KVD(8); break;
+  }
+#undef EXL_KVD
+}
+
+}  // namespace cuda
+}  // namespace exl

@@ -1,0 +1,217 @@
+// Torch bindings of the CUDA kernels (cuda_kernels.cu): the forward pipeline of docs/format.md
+// §1.4 on fp16 activations, plus the Hadamard transform and the quantized KV cache (§6).
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include <string>
+
+#include "cuda_kernels.h"
+#include "layer.h"
+
+namespace exl {
+namespace cuda {
+namespace {
+
+void check_cuda(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "exl CUDA kernels: ", name, " must be a CUDA tensor, got one on ", t.device());
+}
+
+cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
+
+class QuantLinearCUDA {
+ public:
+  QuantLinearCUDA(torch::Tensor qweight, torch::Tensor qscale, torch::Tensor qmeta, c10::optional<torch::Tensor> perm,
+                  c10::optional<torch::Tensor> su, c10::optional<torch::Tensor> sv, c10::optional<torch::Tensor> bias) {
+    const LayerSpec spec = check_layer(qweight, qscale, qmeta, perm, su, sv, bias);
+    check_cuda(qweight, "qweight");
+    const auto dev = qweight.device();
+    qweight_ = qweight.contiguous();
+    qscale_ = qscale.contiguous();
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(qweight_.data_ptr()) % 4 == 0,
+                "exl QuantLinear: qweight must be 4-byte aligned on the GPU (copy it with .contiguous().clone())");
+    if (present(perm)) perm_ = perm->to(dev).contiguous();
+    if (present(su)) su_ = su->to(dev).contiguous();
+    if (present(sv)) sv_ = sv->to(dev).contiguous();
+    if (present(bias)) bias_ = bias->to(dev, torch::kFloat32).contiguous();
+    layer_.qweight = qweight_.data_ptr<uint8_t>();
+    layer_.row_bytes = spec.row_bytes;
+    layer_.qscale = reinterpret_cast<const __half*>(qscale_.data_ptr<at::Half>());
+    layer_.n_groups = spec.n_groups;
+    layer_.N = spec.N;
+    layer_.K = spec.K;
+    layer_.segs = spec.segs;
+  }
+
+  int64_t in_features() const { return layer_.K; }
+  int64_t out_features() const { return layer_.N; }
+
+  // Q [N, K] in permuted order, fp16.
+  torch::Tensor dequantize() const {
+    const c10::cuda::CUDAGuard guard(qweight_.device());
+    auto out = torch::empty({layer_.N, layer_.K}, qweight_.options().dtype(torch::kHalf));
+    launch_dequant(layer_, 0, layer_.N, reinterpret_cast<__half*>(out.data_ptr<at::Half>()), stream());
+    return out;
+  }
+
+  // path: "auto" (GEMV up to 8 rows, GEMM above), "gemv" or "gemm".
+  torch::Tensor forward(const torch::Tensor& x, const std::string& path) const {
+    check_cuda(x, "input");
+    TORCH_CHECK(x.scalar_type() == torch::kHalf, "exl QuantLinear (CUDA kernels): input must be float16, got ",
+                x.scalar_type());
+    TORCH_CHECK(x.device() == qweight_.device(), "exl QuantLinear: input is on ", x.device(), ", the layer on ",
+                qweight_.device());
+    const int64_t K = layer_.K, N = layer_.N;
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "exl QuantLinear: input has last dimension ",
+                x.dim() ? x.size(-1) : 0, ", the layer has in_features=", K);
+    TORCH_CHECK(path == "auto" || path == "gemv" || path == "gemm", "exl QuantLinear: unknown path '", path,
+                "' (expected auto, gemv or gemm)");
+    const c10::cuda::CUDAGuard guard(x.device());
+    auto out_shape = x.sizes().vec();
+    out_shape.back() = N;
+    const auto x2 = x.reshape({-1, K}).contiguous();
+    const int64_t M = x2.size(0);
+    auto y = torch::empty({M, N}, x.options());
+    if (M == 0) return y.reshape(out_shape);
+    const bool gemv = path == "gemv" || (path == "auto" && M <= kMaxGemvRows);
+    const auto f32 = x.options().dtype(torch::kFloat32);
+
+    // 1. u = H (D_u x) in fp32 (a plain fp16 -> fp32 copy without su)
+    auto u = torch::empty({M, K}, f32);
+    launch_hadamard(x2.data_ptr(), true, u.data_ptr(), false, M, K, su_.defined() ? hadamard_block(K) : 1,
+                    su_.defined() ? su_.data_ptr<uint8_t>() : nullptr, true, nullptr, stream());
+    // 2. u' = u[perm]
+    if (perm_.defined()) {
+      auto g = torch::empty({M, K}, f32);
+      launch_gather(u.data_ptr<float>(), perm_.data_ptr(), int(perm_.element_size()), M, K, g.data_ptr<float>(),
+                    stream());
+      u = g;
+    }
+    // 3. z = Q u'
+    auto z = torch::empty({M, N}, f32);
+    if (gemv) {
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxGemvRows) {
+        const int rows = int(std::min<int64_t>(kMaxGemvRows, M - m0));
+        launch_gemv(layer_, u.data_ptr<float>() + m0 * K, rows, z.data_ptr<float>() + m0 * N, stream());
+      }
+    } else {
+      const auto uh = u.to(torch::kHalf);
+      const int64_t tile = std::max<int64_t>(128, std::min<int64_t>(N, (int64_t(64) << 20) / (2 * K)));
+      auto w = torch::empty({std::min(tile, N), K}, x.options());
+      for (int64_t n0 = 0; n0 < N; n0 += tile) {
+        const int64_t n1 = std::min(N, n0 + tile);
+        launch_dequant(layer_, n0, n1, reinterpret_cast<__half*>(w.data_ptr<at::Half>()), stream());
+        z.narrow(1, n0, n1 - n0).copy_(at::mm(uh, w.narrow(0, 0, n1 - n0).t()));
+      }
+    }
+    // 4.+5. y = D_v (H z) + bias, to fp16
+    launch_hadamard(z.data_ptr(), false, y.data_ptr(), true, M, N, sv_.defined() ? hadamard_block(N) : 1,
+                    sv_.defined() ? sv_.data_ptr<uint8_t>() : nullptr, false,
+                    bias_.defined() ? bias_.data_ptr<float>() : nullptr, stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return y.reshape(out_shape);
+  }
+
+ private:
+  torch::Tensor qweight_, qscale_, perm_, su_, sv_, bias_;
+  LayerDev layer_{};
+};
+
+// Normalized blockwise FWHT over the last dim (fp16 or fp32 in, same dtype out), optional signs.
+torch::Tensor fwht(const torch::Tensor& x, int64_t block, c10::optional<torch::Tensor> signs, bool signs_first) {
+  check_cuda(x, "x");
+  TORCH_CHECK(x.scalar_type() == torch::kHalf || x.scalar_type() == torch::kFloat32,
+              "exl fwht: expected float16 or float32, got ", x.scalar_type());
+  const int64_t n = x.size(-1);
+  if (block <= 0) block = hadamard_block(n);
+  TORCH_CHECK(block <= 128 && (block & (block - 1)) == 0 && n % block == 0, "exl fwht: block ", block,
+              " must be a power of two <= 128 dividing the last dimension ", n);
+  const c10::cuda::CUDAGuard guard(x.device());
+  torch::Tensor s;
+  if (present(signs)) {
+    s = signs->to(x.device()).contiguous();
+    TORCH_CHECK(s.scalar_type() == torch::kUInt8 && s.numel() == (n + 7) / 8, "exl fwht: signs must be uint8 [",
+                (n + 7) / 8, "]");
+  }
+  const auto xc = x.contiguous();
+  auto y = torch::empty_like(xc);
+  const bool half = x.scalar_type() == torch::kHalf;
+  launch_hadamard(xc.data_ptr(), half, y.data_ptr(), half, n ? xc.numel() / n : 0, n, block,
+                  s.defined() ? s.data_ptr<uint8_t>() : nullptr, signs_first, nullptr, stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return y;
+}
+
+void check_kv(int64_t d, int64_t bits) {
+  TORCH_CHECK(d % kBlock == 0 && d >= 32 && d <= 1024, "exl KV cache: head dim ", d,
+              " must be a multiple of 32 in 32..1024");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "exl KV cache: bits must be 4, 5, 6 or 8, got ", bits);
+}
+
+// x [..., d] fp16 -> (packed uint8 [..., d*bits/8], scales fp16 [...]); docs/format.md §6.
+std::vector<torch::Tensor> kv_quantize(const torch::Tensor& x, int64_t bits) {
+  check_cuda(x, "x");
+  TORCH_CHECK(x.scalar_type() == torch::kHalf, "exl kv_quantize: expected float16, got ", x.scalar_type());
+  const int64_t d = x.size(-1);
+  check_kv(d, bits);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto xc = x.contiguous();
+  const int64_t rows = xc.numel() / d;
+  auto pshape = x.sizes().vec();
+  pshape.back() = d * bits / 8;
+  auto sshape = x.sizes().vec();
+  sshape.pop_back();
+  auto packed = torch::empty(pshape, x.options().dtype(torch::kUInt8));
+  auto scales = torch::empty(sshape, x.options());
+  launch_kv_quantize(reinterpret_cast<const __half*>(xc.data_ptr<at::Half>()), rows, int(d), int(bits),
+                     packed.data_ptr<uint8_t>(), reinterpret_cast<__half*>(scales.data_ptr<at::Half>()), stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {packed, scales};
+}
+
+torch::Tensor kv_dequantize(const torch::Tensor& packed, const torch::Tensor& scales, int64_t bits, bool rotate) {
+  check_cuda(packed, "packed");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && scales.scalar_type() == torch::kHalf,
+              "exl kv_dequantize: expected uint8 codes and float16 scales");
+  TORCH_CHECK(bits >= 1 && (packed.size(-1) * 8) % bits == 0, "exl kv_dequantize: last dim ", packed.size(-1),
+              " does not hold whole ", bits, "-bit codes");
+  const int64_t d = packed.size(-1) * 8 / bits;
+  check_kv(d, bits);
+  TORCH_CHECK(scales.numel() * packed.size(-1) == packed.numel(), "exl kv_dequantize: scales ", scales.sizes(),
+              " do not match codes ", packed.sizes());
+  const c10::cuda::CUDAGuard guard(packed.device());
+  const auto pc = packed.contiguous();
+  const auto sc = scales.contiguous();
+  auto shape = packed.sizes().vec();
+  shape.back() = d;
+  auto out = torch::empty(shape, scales.options());
+  launch_kv_dequantize(pc.data_ptr<uint8_t>(), reinterpret_cast<const __half*>(sc.data_ptr<at::Half>()),
+                       pc.numel() / pc.size(-1), int(d), int(bits), rotate,
+                       reinterpret_cast<__half*>(out.data_ptr<at::Half>()), stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace exl
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using exl::cuda::QuantLinearCUDA;
+  m.doc() = "exl CUDA kernels: fused dequant GEMV, GEMM via cuBLAS, Hadamard, quantized KV cache";
+  m.def("fwht", &exl::cuda::fwht, py::arg("x"), py::arg("block") = 0, py::arg("signs") = py::none(),
+        py::arg("signs_first") = true);
+  m.def("kv_quantize", &exl::cuda::kv_quantize, py::arg("x"), py::arg("bits"));
+  m.def("kv_dequantize", &exl::cuda::kv_dequantize, py::arg("packed"), py::arg("scales"), py::arg("bits"),
+        py::arg("rotate") = true);
+  py::class_<QuantLinearCUDA>(m, "QuantLinearCUDA")
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
+           py::arg("qweight"), py::arg("qscale"), py::arg("qmeta"), py::arg("perm") = py::none(),
+           py::arg("su") = py::none(), py::arg("sv") = py::none(), py::arg("bias") = py::none())
+      .def("forward", &QuantLinearCUDA::forward, py::arg("x"), py::arg("path") = "auto")
+      .def("dequantize", &QuantLinearCUDA::dequantize)
+      .def_property_readonly("in_features", &QuantLinearCUDA::in_features)
+      .def_property_readonly("out_features", &QuantLinearCUDA::out_features);
+}
