@@ -1,0 +1,105 @@
+"""`QuantLinear`: a linear layer in the exl quantized format (docs/format.md §1), run by the kernels.
+
+The module holds only the stored tensors (`qweight`, `qscale`, `qmeta` and the optional `perm`,
+`su`, `sv`, `bias`) as buffers, never a dequantized copy. `forward` dispatches to:
+
+- the CUDA extension for float16 inputs on a GPU (fused GEMV up to 8 rows, cuBLAS above);
+- the CPU extension for float32 inputs on the CPU: a fused GEMV with int8-quantized activations
+  for fewer than `gemm_min_rows` rows (or exact fp32 when `exact=True`), and tile-wise dequant +
+  BLAS GEMM for more;
+- `exl.format.reference_forward` when no extension can be built (warned once by cuda_ext).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from exl import format as F
+
+REQUIRED = ("qweight", "qscale", "qmeta")
+OPTIONAL = ("perm", "su", "sv", "bias")
+
+
+def _default_exact() -> bool:
+    return os.environ.get("EXL_CPU_EXACT", "0") == "1"
+
+
+class QuantLinear(torch.nn.Module):
+    """y = W x + b with W stored in the exl format.
+
+    Args:
+        tensors: the layer's tensors keyed by the format's names without prefix: `qweight`,
+            `qscale`, `qmeta`, and optionally `perm`, `su`, `sv`, `bias`.
+        exact: CPU only. False (default; env EXL_CPU_EXACT=1 flips it): small batches multiply
+            int8-quantized activations (per 32 channels, like llama.cpp's Q8_0), adding a relative
+            output error of about 0.5% RMS; True: fp32 activations throughout.
+        gemm_min_rows: CPU only. From this many input rows on, use dequant + BLAS GEMM.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], *, exact: bool | None = None, gemm_min_rows: int = 17):
+        super().__init__()
+        missing = [k for k in REQUIRED if k not in tensors]
+        unknown = sorted(set(tensors) - set(REQUIRED) - set(OPTIONAL))
+        if missing or unknown:
+            raise ValueError(
+                f"QuantLinear needs tensors {list(REQUIRED)} plus optional {list(OPTIONAL)} (names without the "
+                f"layer prefix); missing {missing}, unknown {unknown}"
+            )
+        for name in REQUIRED + OPTIONAL:
+            if name in tensors:
+                self.register_buffer(name, tensors[name])
+            else:
+                setattr(self, name, None)
+        self.out_features, self.in_features = F.layer_shape(tensors)
+        self.bits_per_weight = F.bits_per_weight(tensors)
+        self.exact = _default_exact() if exact is None else exact
+        self.gemm_min_rows = gemm_min_rows
+        self._kernel = None  # the extension's layer object, built on first forward for the buffers' device
+        self._kernel_device = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The stored tensors by format name (what `exl.format` functions take)."""
+        return {k: getattr(self, k) for k in REQUIRED + OPTIONAL if getattr(self, k) is not None}
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bpw={self.bits_per_weight:.3f}"
+
+    def _apply(self, fn, *args, **kwargs):
+        self._kernel = None  # buffers may move or change: rebuild the kernel object lazily
+        return super()._apply(fn, *args, **kwargs)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._kernel = None
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def _build_kernel(self, device: torch.device):
+        import cuda_ext
+
+        t = self.tensors()
+        args = [t["qweight"], t["qscale"], t["qmeta"], t.get("perm"), t.get("su"), t.get("sv"), t.get("bias")]
+        ext = cuda_ext.cuda() if device.type == "cuda" else cuda_ext.cpu() if device.type == "cpu" else None
+        if ext is None:
+            return None
+        return ext.QuantLinearCUDA(*args) if device.type == "cuda" else ext.QuantLinearCPU(*args)
+
+    def kernel(self):
+        """The extension's layer object for the buffers' device, or None (reference path)."""
+        device = self.qweight.device
+        if self._kernel is None or self._kernel_device != device:
+            self._kernel = self._build_kernel(device) or False
+            self._kernel_device = device
+        return self._kernel or None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"QuantLinear: input has last dimension {x.shape[-1]}, expected {self.in_features}")
+        k = self.kernel()
+        if k is None:
+            return F.reference_forward(x, self.tensors())
+        if x.is_cuda:
+            return k.forward(x if x.dtype == torch.float16 else x.half()).to(x.dtype)
+        if x.dtype != torch.float32:
+            return k.forward(x.float(), "auto", self.gemm_min_rows, self.exact).to(x.dtype)
+        return k.forward(x, "auto", self.gemm_min_rows, self.exact)

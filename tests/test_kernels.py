@@ -1,0 +1,313 @@
+"""CPU kernels (cuda_ext) and QuantLinear against the plain-PyTorch reference in exl.format.
+
+Error bounds (u = 2^-24, the fp32 unit roundoff; c = |u'| @ |Q|^T, the sum of absolute products
+for each output, mapped through |H_N| when the output is rotated):
+
+- dequantization is exact: every weight s * (q - (2^b-1)/2) fits in fp32;
+- fp32 paths (fused fp32 GEMV, dequant + BLAS GEMM): |y - y_exact| <= 4 u (sqrt(K) + 8) c. Rounding
+  errors of a K-term fp32 dot product grow like u sqrt(K) times the partial sums (which are below
+  c), plus a few roundings per Hadamard stage (log2(128) <= 8 of them); the observed error is
+  far below this, while a wrong code or scale gives errors of the size of y itself;
+- int8-activation GEMV: each activation moves by at most half its block's step d = amax/127, so
+  |y - y_exact| <= sum_k |Q[n, k]| d_k / 2 (times 1.001 for the rounding of x/d), plus the fp32
+  bound. This is a hard bound; the typical error is its square root scale (~0.5% RMS relative).
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import cuda_ext
+from cuda_ext import build
+from exl import format as F
+from exl.modules.quant_linear import QuantLinear
+
+U = 2.0**-24
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return build.load_cpu()  # fails (not skips) when the extension cannot be built
+
+
+def isas():
+    return build.load_cpu().isa_names()
+
+
+def random_layer(n, segs, *, perm=True, su=True, sv=True, bias=True, seed=0, pow2_scales=False):
+    g = torch.Generator().manual_seed(seed)
+    k = sum(s.k_len for s in segs)
+    codes = torch.cat([torch.randint(0, 2**s.bits, (n, s.k_len), generator=g) for s in segs], 1).to(torch.uint8)
+    n_groups = sum(s.n_groups for s in segs)
+    if pow2_scales:
+        scale = 2.0 ** -torch.randint(6, 9, (n, n_groups), generator=g).float()
+    else:
+        scale = torch.rand(n, n_groups, generator=g) * 0.1 + 0.01
+    t = {"qweight": F.pack_codes(codes, segs), "qscale": scale.half(), "qmeta": F.segments_to_meta(segs)}
+    if perm:
+        t["perm"] = torch.randperm(k, generator=g).to(F.perm_dtype(k))
+    if su:
+        t["su"] = F.pack_signs(torch.where(torch.rand(k, generator=g) < 0.5, -1, 1))
+    if sv:
+        t["sv"] = F.pack_signs(torch.where(torch.rand(n, generator=g) < 0.5, -1, 1))
+    if bias:
+        t["bias"] = torch.randn(n, generator=g)
+    return t
+
+
+def kernel(ext, t, isa="auto"):
+    return ext.QuantLinearCPU(
+        t["qweight"], t["qscale"], t["qmeta"], t.get("perm"), t.get("su"), t.get("sv"), t.get("bias"), isa
+    )
+
+
+def exact_and_scale(x, t):
+    """fp64 result and c (see module doc): |u'| @ |Q|^T in the rotated domain, through |H_N|."""
+    segs = F.segments_from_meta(t["qmeta"])
+    q = F.dequantize_codes(F.unpack_codes(t["qweight"], segs), t["qscale"], segs, torch.float64)
+    n, k = q.shape
+    u = x.double()
+    if "su" in t:
+        u = F.fwht(u * F.unpack_signs(t["su"], k, torch.float64))
+    if "perm" in t:
+        u = u[:, t["perm"].long()]
+    z, c = u @ q.T, u.abs() @ q.abs().T
+    if "sv" in t:
+        z = F.fwht(z) * F.unpack_signs(t["sv"], n, torch.float64)
+        c = abs_rotate(c)
+    if "bias" in t:
+        z = z + t["bias"].double()
+    return z, c, u, q
+
+
+def abs_rotate(v):
+    """|H_N| v over the last dim: what a Hadamard rotation can do to a bound on |v|."""
+    n = v.shape[-1]
+    b = F.hadamard_block(n)
+    return v.view(-1, n // b, b).sum(-1, keepdim=True).expand(-1, -1, b).reshape(v.shape) / math.sqrt(b)
+
+
+def fp32_bound(c, k):
+    return 4 * U * (math.sqrt(k) + 8) * c + 1e-30
+
+
+def int8_bound(u, q, t, c, k):
+    """Hard bound of the activation-rounding error (module doc), in the output domain."""
+    m = u.shape[0]
+    d = u.view(m, k // 32, 32).abs().amax(-1) / 127  # block steps in permuted order
+    step = d.repeat_interleave(32, dim=1)
+    e = (0.5 * 1.001 * step) @ q.abs().T
+    if "sv" in t:
+        e = abs_rotate(e)
+    return e + fp32_bound(c, k)
+
+
+def check(ext, t, m, path, isa="auto", seed=1):
+    x = torch.randn(m, sum(int(r[0]) for r in t["qmeta"]), generator=torch.Generator().manual_seed(seed))
+    got = kernel(ext, t, isa).forward(x, path).double()
+    want, c, u, q = exact_and_scale(x, t)
+    k = x.shape[1]
+    bound = int8_bound(u, q, t, c, k) if path == "int8" else fp32_bound(c, k)
+    err = (got - want).abs()
+    assert bool((err <= bound).all()), f"{path}/{isa}: max err {err.max():.3g}, worst err/bound {(err / bound).max():.3g}"
+    return err, want
+
+
+# ---------------------------------------------------------------------------------------------
+# exact pieces
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_dequantize_is_exact(ext, bits):
+    segs = [F.Segment(64, bits, 32), F.Segment(128, 1 + (bits + 2) % 8, 64), F.Segment(128, bits, 128)]
+    t = random_layer(13, segs, seed=bits)
+    want = F.dequantize_codes(F.unpack_codes(t["qweight"], segs), t["qscale"], segs, torch.float32)
+    for isa in ext.isa_names():
+        assert torch.equal(kernel(ext, t, isa).dequantize(), want), isa
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_exact_inputs_give_exact_outputs(ext, isa, bits):
+    # integer activations with a block maximum of 127 are represented exactly by the int8 path too;
+    # with power-of-two scales every product and (small) sum is exact in fp32.
+    segs = [F.Segment(96, bits, 32), F.Segment(128, bits, 64)]
+    t = random_layer(21, segs, su=False, sv=False, bias=False, seed=bits, pow2_scales=True)
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randint(-126, 127, (3, 224), generator=g).float()
+    x.view(3, 7, 32)[:, :, 5] = 127.0  # block maxima at 127 (position 5 of each block in permuted order)
+    x = x[:, torch.argsort(t["perm"].long())]  # so that u' = x[perm] has them
+    want = exact_and_scale(x, t)[0].float()
+    k = kernel(ext, t, isa)
+    for path in ("int8", "fp32", "gemm"):
+        assert torch.equal(k.forward(x, path), want), path
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("n", [1, 8, 24, 64, 576, 1536, 7 * 128])
+@pytest.mark.parametrize("signs_first", [True, False])
+def test_fwht_matches_reference(ext, isa, n, signs_first):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(3, n, generator=g)
+    signs = F.pack_signs(torch.where(torch.rand(n, generator=g) < 0.5, -1, 1))
+    s = F.unpack_signs(signs, n, torch.float64)
+    want = F.fwht(x.double() * s) if signs_first else F.fwht(x.double()) * s
+    got = ext.fwht(x, 0, signs, signs_first, isa)
+    block = F.hadamard_block(n)
+    tol = 4 * U * (math.log2(block) + 1) * math.sqrt(block) * x.abs().max()
+    assert (got.double() - want).abs().max() <= tol
+    assert torch.allclose(ext.fwht(x, 0, None, True, isa).double(), F.fwht(x.double()), atol=float(tol), rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the forward sweep
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_forward_every_bit_width(ext, isa, bits, group):
+    t = random_layer(33, [F.Segment(384, bits, group)], seed=bits * group)
+    for path, m in (("int8", 1), ("int8", 5), ("fp32", 1), ("fp32", 6), ("gemm", 3)):
+        check(ext, t, m, path, isa)
+
+
+MIXES = {
+    "exl2-like": [F.Segment(64, 6, 32), F.Segment(512, 4, 64)],
+    "all-widths": [F.Segment(32 * (b + 1), b, 32 * (b % 2 + 1)) for b in range(1, 9)],
+    "wide-groups": [F.Segment(256, 3, 128), F.Segment(192, 5, 96), F.Segment(1152, 2, 128)],
+}
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("n", [1, 7, 33, 577])
+def test_forward_mixed_segments_odd_n(ext, isa, mix, n):
+    t = random_layer(n, MIXES[mix], seed=n)
+    for path, m in (("int8", 1), ("int8", 7), ("fp32", 2), ("gemm", 19)):
+        check(ext, t, m, path, isa, seed=m)
+
+
+@pytest.mark.parametrize("perm", [False, True])
+@pytest.mark.parametrize("su", [False, True])
+@pytest.mark.parametrize("sv", [False, True])
+def test_forward_rotations_and_perm(ext, perm, su, sv):
+    t = random_layer(96, [F.Segment(64, 5, 32), F.Segment(128, 4, 128)], perm=perm, su=su, sv=sv, seed=7)
+    for path in ("int8", "fp32", "gemm"):
+        check(ext, t, 3, path)
+
+
+@pytest.mark.parametrize("k", [32, 96, 544, 1536, 2080])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 9, 16, 17, 64])
+def test_forward_shapes_and_batches(ext, k, m):
+    t = random_layer(40, [F.Segment(k, 4, 32)], seed=k + m)
+    layer = kernel(ext, t)
+    x = torch.randn(m, k)
+    want = exact_and_scale(x, t)[0]
+    auto = layer.forward(x).double()  # int8 GEMV below 17 rows, GEMM from there
+    assert torch.allclose(auto, want, rtol=0.05, atol=0.05 * want.abs().max().item())
+    check(ext, t, m, "int8")
+    check(ext, t, m, "fp32")
+    check(ext, t, m, "gemm")
+
+
+def test_int8_error_is_small_on_gaussian_activations(ext):
+    # the documented cost of int8 activations: ~0.5% relative RMS output error
+    t = random_layer(576, [F.Segment(576, 4, 32)], seed=3)
+    err, want = check(ext, t, 8, "int8")
+    rel = (err.norm() / want.norm()).item()
+    assert rel < 0.01, rel
+
+
+# ---------------------------------------------------------------------------------------------
+# the module
+
+
+def test_quant_linear_module_dispatch_and_storage(ext):
+    t = random_layer(48, [F.Segment(64, 6, 32), F.Segment(128, 4, 64)], seed=11)
+    layer = QuantLinear(t)
+    assert (layer.in_features, layer.out_features) == (192, 48)
+    assert layer.bits_per_weight == pytest.approx(F.bits_per_weight(t))
+    # only the stored tensors, no dequantized copy
+    assert {k: (v.dtype, v.shape) for k, v in layer.state_dict().items()} == {k: (v.dtype, v.shape) for k, v in t.items()}
+    x = torch.randn(2, 3, 192)
+    want = F.reference_forward(x, t)
+    got = layer(x)
+    assert got.shape == (2, 3, 48) and got.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
+    exact = QuantLinear(t, exact=True)(x)
+    assert torch.allclose(exact, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    big = torch.randn(40, 192)  # GEMM path
+    assert torch.allclose(layer(big), F.reference_forward(big, t), rtol=1e-4, atol=1e-4)
+    bf = layer(x.bfloat16())
+    assert bf.dtype == torch.bfloat16
+    # a state_dict round trip rebuilds the kernel object from the new buffers
+    other = QuantLinear(random_layer(48, [F.Segment(64, 6, 32), F.Segment(128, 4, 64)], seed=12))
+    other(x)
+    other.load_state_dict(layer.state_dict())
+    assert torch.equal(other(x), got)
+
+
+def test_quant_linear_reference_fallback(monkeypatch):
+    t = random_layer(8, [F.Segment(64, 3, 32)], seed=2)
+    monkeypatch.setitem(cuda_ext._cache, "cpu", None)  # as if the extension could not be built
+    x = torch.randn(2, 64)
+    assert torch.equal(QuantLinear(t)(x), F.reference_forward(x, t))
+
+
+def test_bad_inputs_give_clear_errors(ext):
+    t = random_layer(8, [F.Segment(64, 4, 32)], seed=1)
+    with pytest.raises(RuntimeError, match="qweight has 31 bytes per row"):
+        kernel(ext, dict(t, qweight=t["qweight"][:, :31]))
+    with pytest.raises(RuntimeError, match="perm is not a permutation"):
+        kernel(ext, dict(t, perm=torch.zeros(64, dtype=torch.int16)))
+    with pytest.raises(RuntimeError, match="bits=9"):
+        kernel(ext, dict(t, qmeta=torch.tensor([[64, 9, 32]], dtype=torch.int32)))
+    with pytest.raises(RuntimeError, match="instruction set 'avx9000' is not available"):
+        kernel(ext, t, "avx9000")
+    with pytest.raises(RuntimeError, match="in_features=64"):
+        kernel(ext, t).forward(torch.randn(2, 63))
+    with pytest.raises(ValueError, match="missing \\['qscale'\\]"):
+        QuantLinear({"qweight": t["qweight"], "qmeta": t["qmeta"]})
+
+
+# ---------------------------------------------------------------------------------------------
+# building
+
+
+def test_missing_compiler_is_named_and_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    with pytest.raises(build.ExtensionBuildError, match="no C\\+\\+ compiler: `no-such-compiler-xyz`"):
+        build._jit("exl_cpu", build.CPU_SOURCES, cuda=False, verbose=False)
+    monkeypatch.setattr(cuda_ext, "load_cpu", lambda: build._jit("exl_cpu", build.CPU_SOURCES, cuda=False, verbose=False))
+    monkeypatch.setattr(cuda_ext, "_cache", {})
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert cuda_ext._get("cpu", cuda_ext.load_cpu) is None
+        assert cuda_ext._get("cpu", cuda_ext.load_cpu) is None  # warned once, result cached
+    assert len(w) == 1 and "reference path" in str(w[0].message)
+
+
+def test_setup_extensions_list_existing_sources():
+    exts = build.setup_extensions()  # the CUDA one only where torch has CUDA
+    assert exts[0].name == "cuda_ext._exl_cpu" and [e.name for e in exts[1:]] in ([], ["cuda_ext._exl_cuda"])
+    root = build.CSRC.parent.parent
+    for e in exts:
+        assert all((root / s).exists() for s in e.sources), e.sources
+
+
+@pytest.mark.slow
+def test_cuda_sources_compile():
+    import shutil
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    res = subprocess.run([sys.executable, "-m", "cuda_ext.compile_check"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
