@@ -1,0 +1,162 @@
+"""POST /v1/completions: raw prompts (text or token ids, one or several), streaming and non-streaming."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from exl.server import engine
+from exl.server.engine import ChoiceResult, ChoiceSpec, ClientGone, Timing
+from exl.server.errors import APIError, bad_request
+from exl.server.manager import LoadedModel
+from exl.server.schemas import MAX_N, CompletionRequest
+from exl.server.sse import sse_response
+
+
+def _prompts(req: CompletionRequest, lm: LoadedModel) -> list[tuple[str | None, list[int]]]:
+    """(text, ids) of each prompt."""
+    p = req.prompt
+    if isinstance(p, str):
+        items: list = [p]
+    elif not p:
+        raise bad_request("prompt must not be empty", "prompt")
+    elif all(isinstance(x, int) for x in p):
+        items = [list(p)]
+    else:
+        items = list(p)
+    out = []
+    for k, item in enumerate(items):
+        if isinstance(item, str):
+            ids = lm.tokenizer.encode(item)
+            out.append((item, ids))
+        else:
+            if any(not 0 <= t < lm.vocab_limit for t in item):
+                raise bad_request(f"prompt[{k}]: token ids must be in [0, {lm.vocab_limit})", "prompt")
+            out.append((None, list(item)))
+        if not out[-1][1]:
+            raise bad_request(f"prompt[{k}] is empty (no tokens); give some text or token ids", "prompt")
+    if len(out) * req.n > MAX_N * 4:
+        raise bad_request(f"{len(out)} prompts x n={req.n} is more than {MAX_N * 4} completions in one request",
+                          "prompt")
+    return out
+
+
+def completion_logprobs(lm: LoadedModel, r: ChoiceResult, top_n: int, offset: int) -> dict:
+    tokens, lps, tops, offsets = [], [], [], []
+    pos = offset
+    for k, (tid, lp) in enumerate(zip(r.token_ids, r.logprobs)):
+        piece = lm.tokenizer.id_to_piece(tid) if 0 <= tid < lm.tokenizer.vocab_size else ""
+        tokens.append(piece)
+        lps.append(float(lp))
+        top = r.top_logprobs[k] if k < len(r.top_logprobs) and r.top_logprobs[k] else {}
+        tops.append({t: float(v) for t, v in list(top.items())[:top_n]} if top_n else None)
+        offsets.append(pos)
+        pos += len(piece)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+class CompletionRun:
+    def __init__(self, req: CompletionRequest, lm: LoadedModel, config):
+        if req.suffix:
+            raise bad_request("suffix (fill-in-the-middle) is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of other than n is not supported", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo with logprobs (prompt log-probabilities) is not supported", "echo")
+        self.req, self.lm, self.config = req, lm, config
+        self.id = "cmpl-" + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.prompts = _prompts(req, lm)
+        constraint = engine.constraint_for(req, lm)
+        self.logprobs = req.logprobs is not None
+        self.top_n = req.logprobs or 0
+        self.specs = []
+        for p, (_, ids) in enumerate(self.prompts):
+            max_tokens = engine.max_new_tokens(req, len(ids), lm, config.sampling, req.max_tokens)
+            for j in range(req.n):
+                self.specs.append(ChoiceSpec(p * req.n + j, ids, engine.job_args(
+                    req, lm, config.sampling, max_tokens, logprobs=self.logprobs, top_logprobs=self.top_n,
+                    constraint=constraint, seed_offset=j)))
+        self.jobs = engine.make_jobs(lm, self.specs)
+
+    def echo_text(self, index: int) -> str:
+        if not self.req.echo:
+            return ""
+        text, ids = self.prompts[index // self.req.n]
+        return text if text is not None else self.lm.tokenizer.decode(ids)
+
+    def usage(self, results, timing) -> dict:
+        prompt = sum(len(ids) for _, ids in self.prompts)
+        cached = sum(results[p * self.req.n].cached_tokens for p in range(len(self.prompts)))
+        return engine.usage(prompt, cached, list(results.values()), timing)
+
+
+async def completions(req: CompletionRequest, request: Request) -> Response:
+    state = request.app.state
+    arrival = time.perf_counter()
+    lm = state.manager.require(req.model)
+    run = CompletionRun(req, lm, state.config)
+    timing = Timing(state.metrics, arrival)
+    events = engine.run_jobs(lm, run.jobs, state.metrics, timing)
+    if req.stream:
+        return sse_response(_stream(run, events, timing), state.config)
+    results = {s.index: ChoiceResult(s.index, prompt_tokens=len(s.input_ids)) for s in run.specs}
+    try:
+        await engine.collect(request, events, results)
+    except ClientGone:
+        return Response(status_code=499)
+    choices = []
+    for s in run.specs:
+        r = results[s.index]
+        echo = run.echo_text(s.index)
+        choices.append({"index": s.index, "text": echo + r.text, "finish_reason": r.finish_reason or "stop",
+                        "logprobs": completion_logprobs(lm, r, run.top_n, len(echo)) if run.logprobs else None})
+    use = run.usage(results, timing)
+    engine.log_request(state.config, "completion", run.id, use, [c["finish_reason"] for c in choices],
+                       [t for t, _ in run.prompts], [r.text for r in results.values()])
+    return JSONResponse({"id": run.id, "object": "text_completion", "created": run.created, "model": lm.name,
+                         "choices": choices, "usage": use, "system_fingerprint": None})
+
+
+async def _stream(run: CompletionRun, events, timing):
+    req, lm = run.req, run.lm
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    results = {s.index: ChoiceResult(s.index, prompt_tokens=len(s.input_ids)) for s in run.specs}
+    offsets = {s.index: 0 for s in run.specs}
+
+    def chunk(choices, usage=None):
+        body = {"id": run.id, "object": "text_completion", "created": run.created, "model": lm.name,
+                "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return json.dumps(body, ensure_ascii=False)
+
+    try:
+        for s in run.specs:
+            echo = run.echo_text(s.index)
+            if echo:
+                offsets[s.index] = len(echo)
+                yield chunk([{"index": s.index, "text": echo, "logprobs": None, "finish_reason": None}])
+        async for i, event in events:
+            results[i].add(event)
+            logprobs = None
+            if run.logprobs and event.token_ids:
+                part = ChoiceResult(i, token_ids=list(event.token_ids), logprobs=list(event.logprobs or []),
+                                    top_logprobs=list(event.top_logprobs or []))
+                logprobs = completion_logprobs(lm, part, run.top_n, offsets[i])
+                offsets[i] += sum(len(t) for t in logprobs["tokens"])
+            if event.text or logprobs or event.eos:
+                yield chunk([{"index": i, "text": event.text or "", "logprobs": logprobs,
+                              "finish_reason": (results[i].finish_reason or "stop") if event.eos else None}])
+        use = run.usage(results, timing)
+        if include_usage:
+            yield chunk([], use)
+        engine.log_request(run.config, "completion", run.id, use, [r.finish_reason for r in results.values()],
+                           [t for t, _ in run.prompts], [r.text for r in results.values()])
+        yield "[DONE]"
+    except APIError as e:
+        yield json.dumps(e.body())

@@ -1,0 +1,15 @@
+"""Server-sent events for streamed responses (sse-starlette), with keep-alive pings and graceful shutdown."""
+
+from __future__ import annotations
+
+from sse_starlette.sse import EventSourceResponse
+
+
+def sse_response(events, config) -> EventSourceResponse:
+    """Stream `events` (JSON strings; "[DONE]" last) as `data: ...` lines.
+
+    A client that disconnects cancels the iterator (and so its generator jobs). On shutdown a running
+    stream gets `network.shutdown_timeout` seconds to finish before it is cancelled the same way.
+    """
+    return EventSourceResponse(events, ping=15, sep="\n",
+                               shutdown_grace_period=config.network.shutdown_timeout)
