@@ -1,0 +1,417 @@
+"""A paged KV cache shared by many sequences, with prefix reuse.
+
+The cache is a fixed pool of `num_pages` pages of `page_size` token slots (per layer: [kv_heads,
+num_pages * page_size, head_dim], see kv_store). Each sequence owns a `PageTable`: the list of its
+pages in order. Pages are allocated as a sequence grows and released when it closes.
+
+Prefix reuse: a full page is named by a chained hash of every token id up to its end (the hash of
+page i covers pages 0..i). When a sequence opens with a prompt, every leading page whose hash is known
+is taken as is, whether another sequence holds it right now or it was kept after its sequence closed
+(released pages that carry a hash stay in an LRU list and are recycled last).
+
+Admission is by reservation: `open` succeeds only if the pages the sequence may still need (for its
+`max_tokens`) fit beside every other open sequence's reservation, so a running sequence never runs out
+of pages and nothing it holds is ever evicted. Pages are still allocated one at a time, on demand.
+
+    cache = PagedCache(model, max_tokens=8192, page_size=256)
+    table = cache.open(prompt_ids, max_tokens=len(prompt_ids) + 200)   # None: wait, the cache is full
+    cache.extend(table, n)                 # make room for n more tokens
+    ctx = PagedContext(cache, [(table, n)])
+    model(ids, ctx=ctx)                    # writes K/V of the n tokens, attends over the pages in place
+    cache.commit(table, ids)               # they are now part of the sequence
+    cache.close(table)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from exl.cache.base import AttentionContext
+from exl.cache.kv_store import make_store, rotation_matrix
+from exl.errors import ExlError
+from exl.modules.attention import scaled_attention
+
+
+class CacheCapacityError(ExlError):
+    """A sequence can never fit in the cache (it needs more pages than the cache has)."""
+
+
+def chain_hashes(token_ids, page_size: int, prev: bytes = b"") -> list[bytes]:
+    """Hash of every full page of token_ids; each hash covers all tokens up to the end of its page."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    out = []
+    for i in range(len(ids) // page_size):
+        prev = hashlib.blake2b(prev + ids[i * page_size : (i + 1) * page_size].tobytes(), digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+class PageTable:
+    """One sequence's view of a PagedCache: its pages in order and how many tokens are stored."""
+
+    def __init__(self, cache: "PagedCache", pages: list[int], token_ids: list[int], hashes: list[bytes], reserved: int):
+        self.cache = cache
+        self.pages = pages
+        self.token_ids = token_ids  # ids whose keys/values are stored, len == length
+        self.hashes = hashes  # chained hash of each full page so far
+        self.reserved = reserved  # pages this sequence may still allocate
+        self.reused = len(token_ids)  # tokens taken from the prefix cache at open
+        self.closed = False
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+    def slot(self, pos: int) -> int:
+        ps = self.cache.page_size
+        return self.pages[pos // ps] * ps + pos % ps
+
+    def runs(self, end: int) -> list[tuple[int, int, int]]:
+        """Positions [0, end) as maximal runs of consecutive slots: (first position, first slot, count)."""
+        ps, out = self.cache.page_size, []
+        for i in range((end + ps - 1) // ps):
+            n = min(ps, end - i * ps)
+            slot = self.pages[i] * ps
+            if out and out[-1][1] + out[-1][2] == slot and out[-1][2] % ps == 0:
+                pos, first, count = out[-1]
+                out[-1] = (pos, first, count + n)
+            else:
+                out.append((i * ps, slot, n))
+        return out
+
+
+class PagedCache:
+    """A pool of KV pages for one model, shared by all sequences of a Generator.
+
+    num_pages / max_tokens: size of the pool (give one; max_tokens is rounded up to whole pages).
+    page_size: tokens per page. k_bits / v_bits: storage of keys and values, independently: None for the
+    model's dtype, 16 (fp16), 32 (fp32), or 8 / 6 / 4 bits (rotated, one fp16 scale per 32 values).
+    """
+
+    def __init__(self, model, num_pages: int | None = None, page_size: int = 256, k_bits: int | None = None,
+                 v_bits: int | None = None, max_tokens: int | None = None, device=None):
+        if page_size < 1:
+            raise ValueError(f"PagedCache: page_size must be >= 1, got {page_size}")
+        if num_pages is None:
+            if max_tokens is None:
+                raise ValueError("PagedCache: give num_pages=... or max_tokens=...")
+            num_pages = -(-int(max_tokens) // page_size)
+        elif max_tokens is not None:
+            raise ValueError("PagedCache: give num_pages or max_tokens, not both")
+        if num_pages < 1:
+            raise ValueError(f"PagedCache: num_pages must be >= 1, got {num_pages}")
+        c = model.config
+        self.config, self.num_pages, self.page_size = c, int(num_pages), int(page_size)
+        self.k_bits, self.v_bits = k_bits, v_bits
+        self.device = torch.device(device) if device is not None else model.device
+        self.dtype = model.dtype
+        slots = self.num_pages * self.page_size
+        self.rotation = rotation_matrix(c.head_dim).to(self.device)
+        args = (c.num_layers, c.num_kv_heads, slots, c.head_dim, model.dtype, self.device, self.rotation)
+        self.k = make_store(k_bits, *args, what="k_bits")
+        self.v = make_store(v_bits, *args, what="v_bits")
+        self.rotation_c = self.rotation.to(self.dtype)
+
+        self._refs = [0] * self.num_pages
+        self._free = set(range(self.num_pages))
+        self._lru: OrderedDict[int, None] = OrderedDict()  # released pages that still carry a hash
+        self._page_hash: dict[int, bytes] = {}
+        self._hash_page: dict[bytes, int] = {}
+        self._pending: dict[bytes, PageTable] = {}  # hashes of prompt pages being written by an open sequence
+        self.reserved = 0  # sum of open sequences' reservations
+
+    # -- accounting -----------------------------------------------------------------------------------------------
+
+    @property
+    def pages_in_use(self) -> int:
+        """Pages held by at least one open sequence."""
+        return self.num_pages - len(self._free) - len(self._lru)
+
+    @property
+    def pages_cached(self) -> int:
+        """Released pages kept for prefix reuse (recycled when nothing else is free)."""
+        return len(self._lru)
+
+    @property
+    def pages_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.k.bytes_per_slot + self.v.bytes_per_slot
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def check_fits(self, tokens: int, what: str = "sequence") -> None:
+        """Raise CacheCapacityError if `tokens` tokens can never fit in this cache."""
+        if self.pages_for(tokens) > self.num_pages:
+            raise CacheCapacityError(
+                f"{what} needs {tokens} tokens ({self.pages_for(tokens)} pages of {self.page_size}) but the cache "
+                f"holds {self.max_tokens} ({self.num_pages} pages); shorten the prompt or max_new_tokens, "
+                f"or build a larger PagedCache")
+
+    # -- sequences ------------------------------------------------------------------------------------------------
+
+    def match(self, token_ids) -> tuple[list[int], list[bytes], bool]:
+        """Cached pages for the longest reusable prefix of token_ids (at most len - 1 tokens, so at least one
+        token is left to compute), their hashes, and whether the next page is being written by an open sequence."""
+        hashes = chain_hashes(token_ids[: len(token_ids) - 1], self.page_size)
+        pages = []
+        for h in hashes:
+            p = self._hash_page.get(h)
+            if p is None:
+                return pages, hashes[: len(pages)], h in self._pending
+            pages.append(p)
+        return pages, hashes, False
+
+    def pending_prefix(self, token_ids) -> bool:
+        """True if an open sequence is computing a page this prompt could reuse once it is written."""
+        return self.match(token_ids)[2]
+
+    def open(self, token_ids, max_tokens: int, announce: bool = True) -> PageTable | None:
+        """A new sequence that will hold up to `max_tokens` tokens and starts with prompt `token_ids`.
+
+        Reuses cached prefix pages (the table starts with `length` > 0) and reserves what may be needed
+        for the rest. Returns None if the reservation does not fit now (try again after others close).
+        announce: register the prompt's full pages as pending so that later prompts can wait for them.
+        """
+        token_ids = [int(t) for t in token_ids]
+        self.check_fits(max(max_tokens, len(token_ids)))
+        pages, hashes, _ = self.match(token_ids)
+        need = self.pages_for(max(max_tokens, len(token_ids))) - len(pages)
+        revived = sum(1 for p in pages if self._refs[p] == 0)
+        if need + revived > len(self._free) + len(self._lru) - self.reserved:
+            return None
+        for p in pages:
+            self._ref(p)
+        length = len(pages) * self.page_size
+        table = PageTable(self, list(pages), token_ids[:length], list(hashes), need)
+        self.reserved += need
+        if announce:
+            for h in chain_hashes(token_ids, self.page_size)[len(pages) :]:
+                self._pending.setdefault(h, table)
+        return table
+
+    def extend(self, table: PageTable, n: int) -> None:
+        """Allocate pages so that `n` more tokens fit after table.length."""
+        need = self.pages_for(table.length + n) - len(table.pages)
+        for _ in range(need):
+            if table.reserved <= 0:
+                raise RuntimeError(f"sequence grew past its reservation ({table.length + n} tokens)")
+            table.pages.append(self._alloc(table.pages[-1] if table.pages else None))
+            table.reserved -= 1
+            self.reserved -= 1
+
+    def commit(self, table: PageTable, token_ids, share: bool = True) -> None:
+        """Tokens whose K/V were just written after table.length become part of the sequence.
+
+        share: publish newly filled pages for prefix reuse now (prompt pages); otherwise at close.
+        """
+        table.token_ids.extend(int(t) for t in token_ids)
+        if share:
+            self._hash_full_pages(table)
+
+    def truncate(self, table: PageTable, length: int) -> None:
+        """Forget tokens from `length` on (rejected draft tokens, a rewind). Pages past the end are released
+        back to the sequence's reservation; published pages are never cut into."""
+        if length > table.length:
+            raise ValueError(f"cannot truncate a sequence of {table.length} tokens to {length}")
+        if length < len(table.hashes) * self.page_size:
+            raise ValueError(f"cannot truncate into published page {length // self.page_size}")
+        del table.token_ids[length:]
+        self.trim(table, length)
+
+    def trim(self, table: PageTable, tokens: int | None = None) -> None:
+        """Release pages beyond what `tokens` (default: table.length) tokens need."""
+        keep = self.pages_for(table.length if tokens is None else tokens)
+        while len(table.pages) > keep:
+            self._unref(table.pages.pop())
+            table.reserved += 1
+            self.reserved += 1
+
+    def close(self, table: PageTable, share: bool = True) -> None:
+        """Release the sequence. share: publish its full pages (generated ones too) for reuse first."""
+        if table.closed:
+            return
+        if share:
+            self._hash_full_pages(table)
+        for h in [h for h, t in self._pending.items() if t is table]:
+            del self._pending[h]
+        for p in table.pages:
+            self._unref(p)
+        self.reserved -= table.reserved
+        table.pages, table.reserved, table.closed = [], 0, True
+
+    def clear(self) -> None:
+        """Forget every cached prefix (only when no sequence is open)."""
+        if self.pages_in_use:
+            raise RuntimeError("PagedCache.clear() while sequences are open")
+        for p in list(self._lru):
+            self._forget(p)
+            self._free.add(p)
+        self._lru.clear()
+
+    # -- pages ----------------------------------------------------------------------------------------------------
+
+    def _hash_full_pages(self, table: PageTable) -> None:
+        full = table.length // self.page_size
+        if full > len(table.hashes):
+            prev = table.hashes[-1] if table.hashes else b""
+            start = len(table.hashes) * self.page_size
+            table.hashes += chain_hashes(table.token_ids[start : full * self.page_size], self.page_size, prev)
+        for i in range(full):
+            h, p = table.hashes[i], table.pages[i]
+            if self._pending.get(h) is table:
+                del self._pending[h]
+            if h not in self._hash_page and p not in self._page_hash:
+                self._hash_page[h], self._page_hash[p] = p, h
+
+    def _ref(self, p: int) -> None:
+        if self._refs[p] == 0:
+            self._lru.pop(p, None)
+            self._free.discard(p)
+        self._refs[p] += 1
+
+    def _unref(self, p: int) -> None:
+        self._refs[p] -= 1
+        if self._refs[p] == 0:
+            if p in self._page_hash:
+                self._lru[p] = None  # most recently used last
+            else:
+                self._free.add(p)
+
+    def _forget(self, p: int) -> None:
+        h = self._page_hash.pop(p, None)
+        if h is not None:
+            del self._hash_page[h]
+
+    def _alloc(self, after: int | None) -> int:
+        """A free page: right after `after` if possible (keeps runs contiguous), else in the middle of the
+        largest free gap (room for the new sequence to grow), else the least recently used cached page."""
+        if after is not None and after + 1 in self._free:
+            p = after + 1
+        elif self._free:
+            p = self._gap_page()
+        elif self._lru:
+            p, _ = self._lru.popitem(last=False)
+            self._forget(p)
+            self._refs[p] = 1
+            return p
+        else:
+            raise RuntimeError("PagedCache: out of pages (reservation accounting is broken)")
+        self._free.discard(p)
+        self._refs[p] = 1
+        return p
+
+    def _gap_page(self) -> int:
+        free = sorted(self._free)
+        best_start, best_len, start = free[0], 0, free[0]
+        for a, b in zip(free, free[1:] + [None]):
+            if b != a + 1:
+                n = a - start + 1
+                if n > best_len:
+                    best_start, best_len = start, n
+                start = b
+        if best_start == 0 or best_len < 4:
+            return best_start
+        return best_start + best_len // 2
+
+
+class PagedContext(AttentionContext):
+    """One forward pass over a packed batch: `input_ids` is [1, total], the new tokens of every sequence in
+    order. segments: (table, n) pairs; sequence i contributes n tokens at positions table.length .. + n
+    (pages for them must already exist: PagedCache.extend). Keys and values are written to their slots, then
+    each sequence attends over its own pages in place (runs of consecutive slots are views, not copies)."""
+
+    def __init__(self, cache: PagedCache, segments: list[tuple[PageTable, int]]):
+        self.cache = cache
+        pos, slots, self.segments = [], [], []
+        offset = 0
+        for table, n in segments:
+            start = table.length
+            if len(table.pages) * cache.page_size < start + n:
+                raise RuntimeError("PagedContext: call PagedCache.extend before the forward pass")
+            p = torch.arange(start, start + n)
+            pages = torch.tensor(table.pages, dtype=torch.long)
+            pos.append(p)
+            slots.append(pages[p // cache.page_size] * cache.page_size + p % cache.page_size)
+            self.segments.append((offset, n, start, table.runs(start + n)))
+            offset += n
+        device = cache.device
+        super().__init__(torch.cat(pos).to(device)[None])
+        self.slots = torch.cat(slots).to(device)
+        self._masks: dict = {}
+
+    def _mask(self, i: int, window: int | None, runs):
+        """Boolean [n, kept keys] for segment i; None when every query sees every kept key; "causal" for a
+        plain causal square (a prompt from position 0)."""
+        key = (i, window)
+        if key not in self._masks:
+            _, n, start, _ = self.segments[i]
+            if start == 0 and len(runs) == 1 and (window is None or window >= n):
+                self._masks[key] = "causal" if n > 1 else None
+                return self._masks[key]
+            q_pos = torch.arange(start, start + n)
+            k_pos = torch.cat([torch.arange(p, p + c) for p, _, c in runs])
+            diff = q_pos[:, None] - k_pos[None, :]
+            mask = diff >= 0
+            if window is not None:
+                mask &= diff < window
+            self._masks[key] = None if bool(mask.all()) else mask.to(self.cache.device)
+        return self._masks[key]
+
+    def attend(self, layer, q, k, v, *, scale, window=None, softcap=None):
+        c = self.cache
+        c.k.write(layer, self.slots, k[0])
+        c.v.write(layer, self.slots, v[0])
+        if c.k.rotated:
+            q = q @ c.rotation_c
+        out = torch.empty_like(q)
+        for i, (offset, n, start, runs) in enumerate(self.segments):
+            if window is not None:  # drop runs that no query of this segment can see
+                lo = start - window + 1
+                runs = [(p, s, cnt) for p, s, cnt in runs if p + cnt > lo]
+                runs = [(max(p, lo), s + max(0, lo - p), cnt - max(0, lo - p)) for p, s, cnt in runs]
+            keys = [c.k.read(layer, s, s + cnt) for _, s, cnt in runs]
+            values = [c.v.read(layer, s, s + cnt) for _, s, cnt in runs]
+            mask = self._mask(i, window, runs)
+            o = _attend_runs(q[0, offset : offset + n].transpose(0, 1), keys, values, mask, scale, softcap)
+            out[0, offset : offset + n] = o.transpose(0, 1)
+        if c.v.rotated:
+            out = out @ c.rotation_c.T
+        return out
+
+
+def _attend_runs(q, keys, values, mask, scale, softcap):
+    """q [Hq, n, D]; keys/values: lists of [Hkv, count, D] (one per run, in position order); mask [n, total]
+    or None. Returns [Hq, n, D]."""
+    if isinstance(mask, str):  # "causal", over a single run
+        return scaled_attention(q[None], keys[0][None], values[0][None], scale=scale, causal=True, softcap=softcap)[0]
+    if len(keys) == 1:
+        m = None if mask is None else mask[None, None]
+        return scaled_attention(q[None], keys[0][None], values[0][None], scale=scale, mask=m, softcap=softcap)[0]
+    hq, n, d = q.shape
+    hkv = keys[0].shape[0]
+    g = hq // hkv
+    qg = q.reshape(hkv, g * n, d)  # queries of one kv head side by side: no K/V expansion
+    scores = torch.cat([qg @ k.transpose(1, 2) for k in keys], dim=-1) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.view(hkv, g, n, -1).masked_fill(~mask, float("-inf")).view(hkv, g * n, -1)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out, col = None, 0
+    for v in values:
+        part = probs[..., col : col + v.shape[1]] @ v
+        out = part if out is None else out + part
+        col += v.shape[1]
+    return out.view(hq, n, d)

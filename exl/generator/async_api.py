@@ -1,0 +1,159 @@
+"""asyncio front end: the generator's iterate() loop runs in a background thread; each AsyncJob is an async
+iterator over its own events.
+
+    agen = AsyncGenerator(generator)
+    job = AsyncJob(agen, Job(ids, max_new_tokens=100))
+    async for event in job:
+        print(event.text, end="")
+    await agen.close()     # or agen.close() from synchronous code
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+
+from exl.generator.generator import Generator
+from exl.generator.job import Job
+
+
+class AsyncGenerator:
+    """Owns a Generator and drives it from one worker thread. Safe to use from any number of coroutines
+    (and event loops): requests are passed to the worker through a queue."""
+
+    def __init__(self, generator: Generator):
+        self.generator = generator
+        self._requests: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._listeners: dict[int, "AsyncJob"] = {}
+        self._closed = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="exl-generator", daemon=True)
+        self._thread.start()
+
+    # -- called from coroutines -----------------------------------------------------------------------------------
+
+    def submit(self, async_job: "AsyncJob") -> None:
+        if self._closed:
+            raise RuntimeError("AsyncGenerator is closed")
+        if self.error is not None:
+            raise RuntimeError(f"the generator thread failed: {self.error!r}") from self.error
+        self.generator.validate(async_job.job)  # bad jobs fail here, in the caller
+        self._requests.put(("enqueue", async_job))
+        self._wake.set()
+
+    def request_cancel(self, async_job: "AsyncJob") -> None:
+        self._requests.put(("cancel", async_job))
+        self._wake.set()
+
+    def close(self):
+        """Cancel everything and stop the worker thread. Awaitable, or callable from sync code."""
+        self._closed = True
+        self._requests.put(("close", None))
+        self._wake.set()
+        self._thread.join(timeout=60)
+        return _Done()
+
+    @property
+    def num_running(self) -> int:
+        return self.generator.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.generator.num_waiting + self._requests.qsize()
+
+    # -- the worker thread ----------------------------------------------------------------------------------------
+
+    def _drain(self) -> bool:
+        gen = self.generator
+        while True:
+            try:
+                kind, aj = self._requests.get_nowait()
+            except queue.Empty:
+                return True
+            if kind == "close":
+                gen.cancel_all()
+                self._dispatch(gen.iterate())
+                return False
+            if kind == "enqueue":
+                try:
+                    gen.enqueue(aj.job)
+                    self._listeners[id(aj.job)] = aj
+                except Exception as e:  # noqa: BLE001 - reported to the job's consumer
+                    aj._deliver(e)
+            elif kind == "cancel" and id(aj.job) in self._listeners:
+                gen.cancel(aj.job)
+
+    def _dispatch(self, events) -> None:
+        for ev in events:
+            aj = self._listeners.get(id(ev.job))
+            if aj is None:
+                continue
+            if ev.eos:
+                del self._listeners[id(ev.job)]
+            aj._deliver(ev)
+
+    def _loop(self) -> None:
+        gen = self.generator
+        try:
+            while True:
+                if not self._drain():
+                    break
+                if gen.has_work():
+                    self._dispatch(gen.iterate())
+                else:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+        except BaseException as e:  # noqa: BLE001 - every waiting consumer gets the error
+            self.error = e
+            for aj in list(self._listeners.values()):
+                aj._deliver(e)
+            self._listeners.clear()
+        finally:
+            for aj in list(self._listeners.values()):
+                aj._deliver(RuntimeError("AsyncGenerator closed"))
+            self._listeners.clear()
+
+
+class _Done:
+    """Awaitable that is already complete (lets close() be awaited or called plainly)."""
+
+    def __await__(self):
+        return iter(())
+
+
+class AsyncJob:
+    """An async iterator over one job's events (the last has eos=True). Create it inside a running event loop."""
+
+    def __init__(self, async_generator: AsyncGenerator, job: Job):
+        self.generator, self.job = async_generator, job
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._finished = False
+        async_generator.submit(self)
+
+    def _deliver(self, item) -> None:  # from the worker thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening
+            pass
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self._finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._finished = True
+            raise item
+        if item.eos:
+            self._finished = True
+        return item
+
+    async def cancel(self) -> None:
+        """Stop the job and free its pages; iteration then ends with an event whose eos_reason is "cancelled"."""
+        if not self._finished:
+            self.generator.request_cancel(self)
