@@ -21,12 +21,6 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
-  return v;
-}
-
 template <typename T>
 __device__ __forceinline__ float load_f(const T* p);
 template <>
@@ -218,61 +212,94 @@ __device__ __forceinline__ void warp_fwht(float* v, int d, int block, int lane) 
   }
 }
 
+// Layout (docs/format.md §6, reference exl/cache/kv_store.py): a head vector x of d channels is
+// rotated, y = H_d (D_s x) / sqrt(d) (signs optional, one Sylvester Hadamard block of size d), then
+// cut into groups of 32 values with one fp16 scale s = max|y| / c each, c = (2^b - 1) / 2; codes
+// q = round(y / s + c) clamped to [0, 2^b - 1] are packed as an LSB-first bit stream (code i of a
+// row at bit i*b), i.e. 4*b bytes per group.
+
 template <int BITS>
-__global__ void kv_quantize_kernel(const __half* __restrict__ x, int64_t rows, int d, int block, float norm,
-                                   uint8_t* __restrict__ packed, __half* __restrict__ scales) {
+__device__ __forceinline__ void kv_store_group(uint8_t* dst, const uint32_t* codes) {
+  uint32_t w[BITS];
+#pragma unroll
+  for (int t = 0; t < BITS; ++t) w[t] = 0;
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) {
+    const int bit = i * BITS;
+    w[bit / 32] |= codes[i] << (bit % 32);
+    if ((bit % 32) + BITS > 32) w[bit / 32 + 1] |= codes[i] >> (32 - bit % 32);
+  }
+  uint32_t* d32 = reinterpret_cast<uint32_t*>(dst);
+#pragma unroll
+  for (int t = 0; t < BITS; ++t) d32[t] = w[t];
+}
+
+template <int BITS>
+__device__ __forceinline__ uint32_t kv_code(const uint32_t* w, int i) {
+  const int bit = i * BITS;
+  uint64_t v = w[bit / 32];
+  if ((bit % 32) + BITS > 32) v |= uint64_t(w[bit / 32 + 1]) << 32;
+  return uint32_t(v >> (bit % 32)) & ((1u << BITS) - 1u);
+}
+
+template <int BITS>
+__global__ void kv_quantize_kernel(const __half* __restrict__ x, int64_t rows, int d, float norm,
+                                   const uint8_t* __restrict__ signs, uint8_t* __restrict__ packed,
+                                   __half* __restrict__ scales) {
   extern __shared__ float smem[];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t r = int64_t(blockIdx.x) * (blockDim.x / kWarp) + warp;
   if (r >= rows) return;
   float* v = smem + warp * d;
-  for (int i = lane; i < d; i += kWarp) v[i] = __half2float(x[r * d + i]);
+  for (int i = lane; i < d; i += kWarp) v[i] = __half2float(x[r * d + i]) * (signs ? sign_at(signs, i) : 1.0f);
   __syncwarp();
-  warp_fwht(v, d, block, lane);
-  float amax = 0.0f;
-  for (int i = lane; i < d; i += kWarp) {
-    v[i] *= norm;
-    amax = fmaxf(amax, fabsf(v[i]));
-  }
-  amax = warp_max(amax);
-  __syncwarp();
+  warp_fwht(v, d, d, lane);
   const float c = code_offset(BITS);
-  const __half hs = __float2half_rn(amax / c);
-  const float s = __half2float(hs);
-  const float inv = s > 0.0f ? 1.0f / s : 0.0f;
-  if (lane == 0) scales[r] = hs;
   const float top = float((1 << BITS) - 1);
-  for (int b = lane; b < d / kBlock; b += kWarp) {
-    uint32_t codes[kBlock], w[BITS];
+  for (int g = lane; g < d / kBlock; g += kWarp) {  // one lane per group of 32
+    float* y = v + g * kBlock;
+    float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kBlock; ++i) codes[i] = uint32_t(fminf(fmaxf(rintf(v[b * kBlock + i] * inv + c), 0.0f), top));
-    encode_block<BITS>(codes, w);
-    uint32_t* dst = reinterpret_cast<uint32_t*>(packed + r * (int64_t(d) * BITS / 8) + b * block_bytes(BITS));
+    for (int i = 0; i < kBlock; ++i) {
+      y[i] *= norm;
+      amax = fmaxf(amax, fabsf(y[i]));
+    }
+    const __half hs = __float2half_rn(fmaxf(__fdiv_rn(amax, c), 1e-8f));
+    const float s = __half2float(hs);
+    scales[r * (d / kBlock) + g] = hs;
+    uint32_t codes[kBlock];
 #pragma unroll
-    for (int t = 0; t < BITS; ++t) dst[t] = w[t];
+    for (int i = 0; i < kBlock; ++i)
+      codes[i] = s > 0.0f ? uint32_t(fminf(fmaxf(rintf(__fdiv_rn(y[i], s) + c), 0.0f), top)) : uint32_t(rintf(c));
+    kv_store_group<BITS>(packed + r * (int64_t(d) * BITS / 8) + g * block_bytes(BITS), codes);
   }
 }
 
 template <int BITS>
 __global__ void kv_dequantize_kernel(const uint8_t* __restrict__ packed, const __half* __restrict__ scales,
-                                     int64_t rows, int d, int block, float norm, bool rotate, __half* __restrict__ out) {
+                                     int64_t rows, int d, float norm, bool rotate, const uint8_t* __restrict__ signs,
+                                     __half* __restrict__ out) {
   extern __shared__ float smem[];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t r = int64_t(blockIdx.x) * (blockDim.x / kWarp) + warp;
   if (r >= rows) return;
   float* v = smem + warp * d;
-  const float s = __half2float(scales[r]);
   const float c = code_offset(BITS);
-  for (int b = lane; b < d / kBlock; b += kWarp) {
+  for (int g = lane; g < d / kBlock; g += kWarp) {
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(packed + r * (int64_t(d) * BITS / 8) + g * block_bytes(BITS));
     uint32_t w[BITS];
-    load_block_words<BITS>(packed + r * (int64_t(d) * BITS / 8) + b * block_bytes(BITS), w);
 #pragma unroll
-    for (int i = 0; i < kBlock; ++i) v[b * kBlock + i] = (float(block_code<BITS>(w, i)) - c) * s;
+    for (int t = 0; t < BITS; ++t) w[t] = __ldg(src + t);
+    const float s = __half2float(scales[r * (d / kBlock) + g]);
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) v[g * kBlock + i] = (float(kv_code<BITS>(w, i)) - c) * s;
   }
   __syncwarp();
-  if (rotate) warp_fwht(v, d, block, lane);
-  const float f = rotate ? norm : 1.0f;
-  for (int i = lane; i < d; i += kWarp) out[r * d + i] = __float2half_rn(v[i] * f);
+  if (rotate) warp_fwht(v, d, d, lane);  // H is its own inverse: x = D_s H y / sqrt(d)
+  for (int i = lane; i < d; i += kWarp) {
+    const float y = rotate ? v[i] * norm * (signs ? sign_at(signs, i) : 1.0f) : v[i];
+    out[r * d + i] = __float2half_rn(y);
+  }
 }
 
 inline unsigned blocks_for(int64_t threads, int per_block) { return unsigned((threads + per_block - 1) / per_block); }
@@ -327,33 +354,31 @@ void launch_gather(const float* in, const void* perm, int perm_bytes, int64_t M,
     gather_kernel<int32_t><<<grid, threads, 0, stream>>>(in, static_cast<const int32_t*>(perm), M, K, out);
 }
 
-void launch_kv_quantize(const __half* x, int64_t rows, int d, int bits, uint8_t* packed, __half* scales,
-                        cudaStream_t stream) {
+void launch_kv_quantize(const __half* x, int64_t rows, int d, int bits, const uint8_t* signs, uint8_t* packed,
+                        __half* scales, cudaStream_t stream) {
   const int threads = 128, warps = threads / kWarp;
-  const int block = int(hadamard_block(d));
-  const float norm = 1.0f / sqrtf(float(block));
+  const float norm = 1.0f / sqrtf(float(d));
   const unsigned grid = blocks_for(rows, warps);
   const size_t smem = size_t(warps) * d * sizeof(float);
+#define EXL_KVQ(B) kv_quantize_kernel<B><<<grid, threads, smem, stream>>>(x, rows, d, norm, signs, packed, scales)
   switch (bits) {
-    case 4: kv_quantize_kernel<4><<<grid, threads, smem, stream>>>(x, rows, d, block, norm, packed, scales); break;
-    case 5: kv_quantize_kernel<5><<<grid, threads, smem, stream>>>(x, rows, d, block, norm, packed, scales); break;
-    case 6: kv_quantize_kernel<6><<<grid, threads, smem, stream>>>(x, rows, d, block, norm, packed, scales); break;
-    default: kv_quantize_kernel<8><<<grid, threads, smem, stream>>>(x, rows, d, block, norm, packed, scales); break;
+    case 4: EXL_KVQ(4); break;
+    case 6: EXL_KVQ(6); break;
+    default: EXL_KVQ(8); break;
   }
+#undef EXL_KVQ
 }
 
 void launch_kv_dequantize(const uint8_t* packed, const __half* scales, int64_t rows, int d, int bits, bool rotate,
-                          __half* out, cudaStream_t stream) {
+                          const uint8_t* signs, __half* out, cudaStream_t stream) {
   const int threads = 128, warps = threads / kWarp;
-  const int block = int(hadamard_block(d));
-  const float norm = 1.0f / sqrtf(float(block));
+  const float norm = 1.0f / sqrtf(float(d));
   const unsigned grid = blocks_for(rows, warps);
   const size_t smem = size_t(warps) * d * sizeof(float);
 #define EXL_KVD(B) \
-  kv_dequantize_kernel<B><<<grid, threads, smem, stream>>>(packed, scales, rows, d, block, norm, rotate, out)
+  kv_dequantize_kernel<B><<<grid, threads, smem, stream>>>(packed, scales, rows, d, norm, rotate, signs, out)
   switch (bits) {
     case 4: EXL_KVD(4); break;
-    case 5: EXL_KVD(5); break;
     case 6: EXL_KVD(6); break;
     default: EXL_KVD(8); break;
   }

@@ -33,11 +33,12 @@ void launch_hadamard(const void* in, bool in_half, void* out, bool out_half, int
 // out[m, k] = in[m, perm[k]] (fp32); perm int16 (perm_bytes 2) or int32.
 void launch_gather(const float* in, const void* perm, int perm_bytes, int64_t M, int64_t K, float* out,
                    cudaStream_t stream);
-// Quantized KV cache (docs/format.md §6): rows of d channels (d a multiple of 32, at most 1024).
-void launch_kv_quantize(const __half* x, int64_t rows, int d, int bits, uint8_t* packed, __half* scales,
-                        cudaStream_t stream);
+// Quantized KV cache (docs/format.md §6): rows of d channels, d a power of two in 32..1024, bits
+// 4, 6 or 8, signs (packed bits, optional) of the rotation.
+void launch_kv_quantize(const __half* x, int64_t rows, int d, int bits, const uint8_t* signs, uint8_t* packed,
+                        __half* scales, cudaStream_t stream);
 void launch_kv_dequantize(const uint8_t* packed, const __half* scales, int64_t rows, int d, int bits, bool rotate,
-                          __half* out, cudaStream_t stream);
+                          const uint8_t* signs, __half* out, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace exl

@@ -144,33 +144,44 @@ torch::Tensor fwht(const torch::Tensor& x, int64_t block, c10::optional<torch::T
 }
 
 void check_kv(int64_t d, int64_t bits) {
-  TORCH_CHECK(d % kBlock == 0 && d >= 32 && d <= 1024, "exl KV cache: head dim ", d,
-              " must be a multiple of 32 in 32..1024");
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "exl KV cache: bits must be 4, 5, 6 or 8, got ", bits);
+  TORCH_CHECK(d >= 32 && d <= 1024 && (d & (d - 1)) == 0, "exl KV cache: head dim ", d,
+              " must be a power of two in 32..1024 for the CUDA kernels");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "exl KV cache: bits must be 4, 6 or 8, got ", bits);
 }
 
-// x [..., d] fp16 -> (packed uint8 [..., d*bits/8], scales fp16 [...]); docs/format.md §6.
-std::vector<torch::Tensor> kv_quantize(const torch::Tensor& x, int64_t bits) {
+torch::Tensor kv_signs(const c10::optional<torch::Tensor>& signs, int64_t d, const torch::Device& dev) {
+  if (!present(signs)) return torch::Tensor();
+  TORCH_CHECK(signs->scalar_type() == torch::kUInt8 && signs->numel() == d / 8,
+              "exl KV cache: signs must be packed uint8 [", d / 8, "] (exl.format.pack_signs)");
+  return signs->to(dev).contiguous();
+}
+
+// x [..., d] fp16 -> (codes uint8 [..., d*bits/8], scales fp16 [..., d/32]); docs/format.md §6.
+std::vector<torch::Tensor> kv_quantize(const torch::Tensor& x, int64_t bits, c10::optional<torch::Tensor> signs) {
   check_cuda(x, "x");
   TORCH_CHECK(x.scalar_type() == torch::kHalf, "exl kv_quantize: expected float16, got ", x.scalar_type());
   const int64_t d = x.size(-1);
   check_kv(d, bits);
   const c10::cuda::CUDAGuard guard(x.device());
+  const auto s = kv_signs(signs, d, x.device());
   const auto xc = x.contiguous();
   const int64_t rows = xc.numel() / d;
   auto pshape = x.sizes().vec();
   pshape.back() = d * bits / 8;
   auto sshape = x.sizes().vec();
-  sshape.pop_back();
+  sshape.back() = d / kBlock;
   auto packed = torch::empty(pshape, x.options().dtype(torch::kUInt8));
   auto scales = torch::empty(sshape, x.options());
   launch_kv_quantize(reinterpret_cast<const __half*>(xc.data_ptr<at::Half>()), rows, int(d), int(bits),
-                     packed.data_ptr<uint8_t>(), reinterpret_cast<__half*>(scales.data_ptr<at::Half>()), stream());
+                     s.defined() ? s.data_ptr<uint8_t>() : nullptr, packed.data_ptr<uint8_t>(),
+                     reinterpret_cast<__half*>(scales.data_ptr<at::Half>()), stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {packed, scales};
 }
 
-torch::Tensor kv_dequantize(const torch::Tensor& packed, const torch::Tensor& scales, int64_t bits, bool rotate) {
+// (codes, scales) -> fp16 [..., d]: the rotated vectors, or the original ones with rotate=True.
+torch::Tensor kv_dequantize(const torch::Tensor& packed, const torch::Tensor& scales, int64_t bits, bool rotate,
+                            c10::optional<torch::Tensor> signs) {
   check_cuda(packed, "packed");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && scales.scalar_type() == torch::kHalf,
               "exl kv_dequantize: expected uint8 codes and float16 scales");
@@ -178,16 +189,17 @@ torch::Tensor kv_dequantize(const torch::Tensor& packed, const torch::Tensor& sc
               " does not hold whole ", bits, "-bit codes");
   const int64_t d = packed.size(-1) * 8 / bits;
   check_kv(d, bits);
-  TORCH_CHECK(scales.numel() * packed.size(-1) == packed.numel(), "exl kv_dequantize: scales ", scales.sizes(),
-              " do not match codes ", packed.sizes());
+  TORCH_CHECK(scales.size(-1) == d / kBlock && scales.numel() / (d / kBlock) == packed.numel() / packed.size(-1),
+              "exl kv_dequantize: scales ", scales.sizes(), " do not match codes ", packed.sizes());
   const c10::cuda::CUDAGuard guard(packed.device());
+  const auto s = kv_signs(signs, d, packed.device());
   const auto pc = packed.contiguous();
   const auto sc = scales.contiguous();
   auto shape = packed.sizes().vec();
   shape.back() = d;
   auto out = torch::empty(shape, scales.options());
   launch_kv_dequantize(pc.data_ptr<uint8_t>(), reinterpret_cast<const __half*>(sc.data_ptr<at::Half>()),
-                       pc.numel() / pc.size(-1), int(d), int(bits), rotate,
+                       pc.numel() / pc.size(-1), int(d), int(bits), rotate, s.defined() ? s.data_ptr<uint8_t>() : nullptr,
                        reinterpret_cast<__half*>(out.data_ptr<at::Half>()), stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -202,9 +214,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "exl CUDA kernels: fused dequant GEMV, GEMM via cuBLAS, Hadamard, quantized KV cache";
   m.def("fwht", &exl::cuda::fwht, py::arg("x"), py::arg("block") = 0, py::arg("signs") = py::none(),
         py::arg("signs_first") = true);
-  m.def("kv_quantize", &exl::cuda::kv_quantize, py::arg("x"), py::arg("bits"));
+  m.def("kv_quantize", &exl::cuda::kv_quantize, py::arg("x"), py::arg("bits"), py::arg("signs") = py::none());
   m.def("kv_dequantize", &exl::cuda::kv_dequantize, py::arg("packed"), py::arg("scales"), py::arg("bits"),
-        py::arg("rotate") = true);
+        py::arg("rotate") = false, py::arg("signs") = py::none());
   py::class_<QuantLinearCUDA>(m, "QuantLinearCUDA")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
                     c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),

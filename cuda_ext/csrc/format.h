@@ -80,37 +80,6 @@ EXL_HD void load_block_words(const uint8_t* p, uint32_t* w) {
 #endif
 }
 
-// Inverse of decode_block: pack 32 BITS-bit codes into BITS words (for the KV-cache quantizer).
-template <int BITS>
-EXL_HD void encode_block(const uint32_t* codes, uint32_t* w) {
-#if defined(__CUDACC__)
-#pragma unroll
-#endif
-  for (int t = 0; t < BITS; ++t) w[t] = 0;
-#if defined(__CUDACC__)
-#pragma unroll
-#endif
-  for (int i = 0; i < kBlock; ++i) {
-    const uint32_t q = codes[i];
-    if (BITS & 8) {
-      const int b = i % 32;
-      w[plane_word<BITS, 8>() + b / 4] |= ((q >> plane_shift<BITS, 8>()) & 255u) << (8 * (b % 4));
-    }
-    if (BITS & 4) {
-      const int b = i % 16;
-      w[plane_word<BITS, 4>() + b / 4] |= ((q >> plane_shift<BITS, 4>()) & 15u) << (8 * (b % 4) + 4 * (i / 16));
-    }
-    if (BITS & 2) {
-      const int b = i % 8;
-      w[plane_word<BITS, 2>() + b / 4] |= ((q >> plane_shift<BITS, 2>()) & 3u) << (8 * (b % 4) + 2 * (i / 8));
-    }
-    if (BITS & 1) {
-      const int b = i % 4;
-      w[plane_word<BITS, 1>() + b / 4] |= ((q >> plane_shift<BITS, 1>()) & 1u) << (8 * (b % 4) + (i / 4));
-    }
-  }
-}
-
 // Sign bit i of a packed sign vector (bit i%8 of byte i/8; set means -1).
 EXL_HD float sign_at(const uint8_t* s, int64_t i) { return ((s[i >> 3] >> (i & 7)) & 1) ? -1.0f : 1.0f; }
 
