@@ -115,3 +115,37 @@ def _rebuild_kv(s, mirror: Mirrors):
 
 register_context(NoCache, _describe_nocache, _rebuild_nocache)
 register_context(KVCacheContext, _describe_kv, _rebuild_kv)
+
+
+def _register_paged() -> None:
+    """The generator's paged cache: followers keep a page pool of the same geometry for their part;
+    page bookkeeping stays on rank 0, which sends each forward's slots and runs."""
+    try:
+        from exl.cache.paged import PagedCache, PagedContext
+    except ImportError:  # pragma: no cover  (an exl without the dynamic generator)
+        return
+    from types import SimpleNamespace
+
+    from exl.cache.base import AttentionContext
+
+    def describe_paged(ctx: PagedContext, key_of):
+        c = ctx.cache
+        return dict(key=key_of(c), num_pages=c.num_pages, page_size=c.page_size, k_bits=c.k_bits, v_bits=c.v_bits,
+                    dtype=c.dtype, positions=ctx.positions.cpu(), slots=ctx.slots.cpu(), segments=ctx.segments)
+
+    def rebuild_paged(s, mirror: Mirrors):
+        def make(config, device):
+            shell = SimpleNamespace(config=config, device=device, dtype=s["dtype"])
+            return PagedCache(shell, num_pages=s["num_pages"], page_size=s["page_size"], k_bits=s["k_bits"],
+                              v_bits=s["v_bits"], device=device)
+
+        cache = mirror(s["key"], make)
+        ctx = PagedContext.__new__(PagedContext)
+        AttentionContext.__init__(ctx, s["positions"].to(cache.device))
+        ctx.cache, ctx.slots, ctx.segments, ctx._masks = cache, s["slots"].to(cache.device), s["segments"], {}
+        return ctx
+
+    register_context(PagedContext, describe_paged, rebuild_paged)
+
+
+_register_paged()
