@@ -148,7 +148,7 @@ class Generator:
         bad = [t for t in job.input_ids if not 0 <= t < limit]
         if bad:
             raise ValueError(f"{job}: token ids {bad[:5]} are outside the model's vocabulary [0, {limit})")
-        total = len(job.input_ids) + job.max_new_tokens
+        total = _stored_tokens(job)
         self.cache.check_fits(total, what=f"{job} (prompt {len(job.input_ids)} + max_new_tokens {job.max_new_tokens})")
         if self.draft_cache is not None:
             self.draft_cache.check_fits(total, what=f"{job} in the draft cache")
@@ -254,7 +254,7 @@ class Generator:
             if self.cache.pending_prefix(job.input_ids):
                 blocked.append(job)  # a running job is writing pages this prompt can reuse: wait for them
                 continue
-            total = len(job.input_ids) + job.max_new_tokens
+            total = _stored_tokens(job)
             table = self.cache.open(job.input_ids, total)
             if table is None:
                 self.waiting.appendleft(job)
@@ -606,6 +606,11 @@ def _token_index(held: list[_Held], text_len: int, char: int) -> int:
     while 0 < i < len(held) and held[i - 1].offset == held[i].offset:
         i -= 1
     return i
+
+
+def _stored_tokens(job: Job) -> int:
+    """Most tokens a job ever keeps in the cache: the last generated token is never fed back."""
+    return len(job.input_ids) + job.max_new_tokens - 1
 
 
 def _partial_hold(text: str, strings: list[str]) -> int:

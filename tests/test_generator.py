@@ -1,0 +1,379 @@
+"""The dynamic generator on tiny random models (fast) and SmolLM2 (real text).
+
+Reference for every output: a plain greedy loop over `model.forward` with a contiguous KV cache.
+"""
+
+import asyncio
+import json
+
+import pytest
+import torch
+import transformers
+
+import exl
+from exl.cache.contiguous import KVCache
+from exl.generator import AsyncGenerator, AsyncJob, CacheCapacityError, Generator, Job, PagedCache, SamplerSettings
+from exl.generator.constraints import JsonSchemaConstraint, RegexConstraint
+from exl.tokenizer import Tokenizer
+
+GREEDY = SamplerSettings.greedy()
+
+
+def tiny_llama(path, vocab, seed=0, layers=2):
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    ref = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + 1.0 if "norm" in n else torch.randn_like(p) * 0.08)
+    ref.save_pretrained(path)
+    return exl.load_model(path, progress=False)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A 2-layer model with a 211-token vocabulary (no tokenizer)."""
+    return tiny_llama(tmp_path_factory.mktemp("small"), 211)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from exl.assets import smollm2_dir
+
+    return Tokenizer.from_dir(smollm2_dir())
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A tiny random model over SmolLM2's vocabulary (text tests without the cost of the real model)."""
+    return tiny_llama(tmp_path_factory.mktemp("wide"), 49152, seed=1)
+
+
+def reference_greedy(model, ids, n):
+    """Tokens and per-step log-probabilities of plain greedy decoding."""
+    cache = KVCache(model.config, 1, len(ids) + n + 1)
+    logits = model(torch.tensor([ids]), cache=cache, last_only=True)[0, -1]
+    out, lps = [], []
+    for _ in range(n):
+        t = int(logits.argmax())
+        out.append(t)
+        lps.append(float(torch.log_softmax(logits, 0)[t]))
+        logits = model(torch.tensor([[t]]), cache=cache)[0, -1]
+    return out, lps
+
+
+def run_all(gen, jobs=None):
+    """Iterate until idle; returns {job: [events]}."""
+    if jobs:
+        gen.enqueue(jobs)
+    events = {}
+    for _ in range(10000):
+        if not gen.has_work():
+            break
+        for e in gen.iterate():
+            events.setdefault(e.job, []).append(e)
+    return events
+
+
+def prompts(n_list, vocab=211, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in n_list]
+
+
+# -- batching --------------------------------------------------------------------------------------------------------
+
+
+def test_batched_equals_single_and_reference(small):
+    lengths = [3, 17, 40, 64, 9]
+    ps = prompts(lengths)
+    new = 12
+    cache = PagedCache(small, num_pages=64, page_size=8)
+    gen = Generator(small, cache, None, max_batch_size=5, max_chunk_size=24)  # prefill chunks mix with decodes
+    jobs = [Job(p, max_new_tokens=new, sampler=GREEDY, return_logprobs=True, identifier=i) for i, p in enumerate(ps)]
+    events = run_all(gen, jobs)
+    for job, p in zip(jobs, ps):
+        want, want_lp = reference_greedy(small, p, new)
+        assert job.generated == want
+        got_lp = [lp for e in events[job] for lp in e.logprobs]
+        assert torch.allclose(torch.tensor(got_lp), torch.tensor(want_lp), atol=1e-4)
+        final = events[job][-1]
+        assert final.eos and final.eos_reason == "max_new_tokens" and final.new_tokens == new
+        assert final.prompt_tokens == len(p) and final.identifier == job.identifier
+        assert [t for e in events[job] for t in e.token_ids] == want
+    for job, p in zip(jobs[:2], ps[:2]):  # the same jobs alone
+        solo = Job(p, max_new_tokens=new, sampler=GREEDY)
+        run_all(Generator(small, PagedCache(small, num_pages=64, page_size=8), None), [solo])
+        assert solo.generated == job.generated
+    assert cache.pages_in_use == 0 and cache.reserved == 0
+
+
+def test_prefix_pages_shared_and_reused_after_the_first_job_ends(small):
+    ps = 8
+    system = prompts([40], seed=1)[0]  # 5 full pages
+    users = prompts([5, 7, 3], seed=2)
+    cache = PagedCache(small, num_pages=64, page_size=ps)
+    gen = Generator(small, cache, None, max_batch_size=8, max_chunk_size=16)
+    jobs = [Job(system + u, max_new_tokens=6, sampler=GREEDY) for u in users]
+    gen.enqueue(jobs)
+    gen.iterate()  # job 0 starts; the others wait for its system-prompt pages instead of computing their own
+    assert gen.num_running == 1 and gen.num_waiting == 2
+    while any(j.status in ("waiting", "prefill") for j in jobs):
+        gen.iterate()
+    tables = [j._run.table for j in jobs]
+    assert tables[1].pages[:5] == tables[0].pages[:5] == tables[2].pages[:5]
+    # 3 sequences of 45/47/43 tokens: 5 shared pages + 1 own page each
+    assert cache.pages_in_use == 5 + 3
+    run_all(gen)
+    assert [j._run.cached_tokens for j in jobs] == [0, 40, 40]
+    for j, u in zip(jobs, users):
+        assert j.generated == reference_greedy(small, system + u, 6)[0]
+    assert cache.pages_in_use == 0 and cache.pages_cached >= 5
+    later = Job(system + [1, 2], max_new_tokens=4, sampler=GREEDY)
+    events = run_all(gen, [later])
+    assert events[later][-1].cached_tokens == 40
+    assert later.generated == reference_greedy(small, system + [1, 2], 4)[0]
+
+
+def test_cancel_frees_pages(small):
+    cache = PagedCache(small, num_pages=32, page_size=8)
+    gen = Generator(small, cache, None)
+    a, b = (Job(p, max_new_tokens=100, sampler=GREEDY) for p in prompts([30, 12], seed=3))
+    gen.enqueue([a, b])
+    for _ in range(4):
+        gen.iterate()
+    assert cache.pages_in_use > 0
+    gen.cancel(a)
+    gen.cancel(b)
+    assert cache.pages_in_use == 0 and cache.reserved == 0 and gen.num_running == 0
+    events = gen.iterate()
+    assert {e.job for e in events} == {a, b} and all(e.eos and e.eos_reason == "cancelled" for e in events)
+    w = Job([1, 2, 3], max_new_tokens=5)  # a waiting job can be cancelled too
+    gen.enqueue(w)
+    gen.cancel(w)
+    assert gen.num_waiting == 0 and gen.iterate()[0].eos_reason == "cancelled"
+
+
+def test_full_cache_queues_and_completes_every_job(small):
+    cache = PagedCache(small, num_pages=6, page_size=8)  # 48 tokens: two jobs of <= 24 at a time
+    gen = Generator(small, cache, None, max_batch_size=8)
+    ps = prompts([10, 11, 9, 5, 10], seed=4)
+    jobs = [Job(p, max_new_tokens=14, sampler=GREEDY) for p in ps]  # keeps <= 10 + 14 - 1 tokens: 3 pages
+    gen.enqueue(jobs)
+    most = 0
+    while gen.has_work():
+        gen.iterate()
+        most = max(most, gen.num_running)
+        assert cache.pages_in_use <= cache.num_pages
+    assert most == 2
+    for j, p in zip(jobs, ps):
+        assert j.eos_reason == "max_new_tokens" and j.generated == reference_greedy(small, p, 14)[0]
+    with pytest.raises(CacheCapacityError, match="holds 48"):
+        gen.enqueue(Job(list(range(40)), max_new_tokens=10))
+
+
+def test_bad_jobs_are_rejected(small):
+    gen = Generator(small, PagedCache(small, num_pages=4, page_size=8), None)
+    with pytest.raises(ValueError, match="empty"):
+        Job([], max_new_tokens=3)
+    with pytest.raises(ValueError, match="vocabulary"):
+        gen.enqueue(Job([1, 500], max_new_tokens=3))
+    with pytest.raises(ValueError, match="top_p"):
+        Job([1], sampler=SamplerSettings(top_p=0))
+
+
+# -- sampling, seeds, stop conditions --------------------------------------------------------------------------------
+
+
+def test_seed_reproduces_bit_for_bit(small):
+    s = SamplerSettings(temperature=1.3, top_p=0.95, min_p=0.02, repetition_penalty=1.1, xtc_probability=0.5)
+    p = prompts([20], seed=5)[0]
+
+    def run(seed, batch_with=()):
+        gen = Generator(small, PagedCache(small, num_pages=32, page_size=8), None)
+        job = Job(p, max_new_tokens=30, sampler=s, seed=seed)
+        others = [Job(q, max_new_tokens=30, sampler=s) for q in batch_with]
+        run_all(gen, [job] + others)
+        return job.generated
+
+    first = run(7)
+    assert run(7) == first
+    assert run(7, batch_with=prompts([5, 33], seed=6)) == first  # batch neighbours change nothing
+    assert run(8) != first
+
+
+def test_min_new_tokens_holds_back_stop_tokens(small):
+    gen = Generator(small, PagedCache(small, num_pages=8, page_size=8), None)
+    stop = 17
+    s = SamplerSettings.greedy(logit_bias={stop: 100.0})
+    j1 = Job([1, 2, 3], max_new_tokens=20, sampler=s, stop_conditions=[stop])
+    j2 = Job([1, 2, 3], max_new_tokens=20, min_new_tokens=5, sampler=s, stop_conditions=[stop])
+    run_all(gen, [j1, j2])
+    assert j1.generated == [stop] and j1.eos_reason == "stop_token"
+    assert len(j2.generated) == 6 and j2.generated[-1] == stop and stop not in j2.generated[:-1]
+
+
+def test_stop_string_across_tokens_never_leaks(wide, tok):
+    """A regex forces the text; the stop string spans several tokens and is cut out of the stream."""
+    text = "alpha beta gamma delta"
+    gen = Generator(wide, PagedCache(wide, num_pages=16, page_size=16), tok)
+    for stop in ("a gam", "ta gamma d", "ma del"):
+        job = Job(tok.encode("x", add_bos=False), max_new_tokens=40, sampler=GREEDY,
+                  constraint=RegexConstraint(tok, text), stop_conditions=[stop])
+        events = run_all(gen, [job])[job]
+        pieces = [tok.decode([t]) for t in job.generated]
+        assert not any(stop in p for p in pieces), "the stop string should span tokens"
+        chunks = [e.text for e in events]
+        streamed = "".join(chunks)
+        assert streamed == text[: text.index(stop)]
+        assert job.eos_reason == "stop_string" and events[-1].stop_string == stop
+        for i in range(len(chunks)):  # no prefix of what was streamed so far ever contains the stop string
+            assert stop not in "".join(chunks[: i + 1])
+
+
+def test_banned_string_rewinds_and_resamples(wide, tok):
+    cat = tok.encode(" cat", add_bos=False)
+    gen = Generator(wide, PagedCache(wide, num_pages=16, page_size=16), tok)
+    # the model is pushed hard towards " cat"; the constraint allows " cat food" or " dog food"
+    s = SamplerSettings.greedy(logit_bias={cat[0]: 50.0})
+    job = Job(tok.encode("x", add_bos=False), max_new_tokens=20, sampler=s,
+              constraint=RegexConstraint(tok, " (cat|dog) food"), banned_strings=[" cat"])
+    events = run_all(gen, [job])[job]
+    assert "".join(e.text for e in events) == " dog food"
+    assert job._run.rewinds >= 1
+    assert tok.decode(job.generated) == " dog food"
+
+
+def test_json_schema_constraint_always_parses(wide, tok):
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
+        "required": ["name", "age", "tags"], "additionalProperties": False}
+    c = JsonSchemaConstraint(tok, schema)
+    gen = Generator(wide, PagedCache(wide, num_pages=32, page_size=16), tok)
+    jobs = [Job(tok.encode("Person:", add_bos=False), max_new_tokens=120, sampler=SamplerSettings(temperature=1.0),
+                seed=s, constraint=c) for s in range(6)]
+    run_all(gen, jobs)
+    for j in jobs:
+        assert j.eos_reason in ("constraint", "stop_token"), j.text
+        obj = json.loads(j.text)
+        assert set(obj) == {"name", "age", "tags"} and isinstance(obj["name"], str) and len(obj["name"]) <= 10
+        assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 150
+        assert all(t in ("red", "green", "blue") for t in obj["tags"]) and len(obj["tags"]) <= 3
+
+
+def test_top_logprobs_and_text_events(wide, tok):
+    gen = Generator(wide, PagedCache(wide, num_pages=16, page_size=16), tok)
+    ids = tok.encode("hello", add_bos=False)
+    job = Job(ids, max_new_tokens=5, sampler=GREEDY, return_logprobs=True, return_top_tokens=3)
+    events = run_all(gen, [job])[job]
+    want, want_lp = reference_greedy(wide, ids, 5)
+    assert job.generated == want
+    tops = [t for e in events for t in e.top_logprobs]
+    lps = [x for e in events for x in e.logprobs]
+    assert len(tops) == 5 and all(len(t) <= 3 for t in tops)
+    for top, lp, t in zip(tops, lps, want):
+        assert max(top.values()) == pytest.approx(lp, abs=1e-5)  # greedy: the chosen token is the top one
+    assert "".join(e.text for e in events) == tok.decode(want)
+    final = events[-1]
+    assert final.time_to_first_token > 0 and final.time_total >= final.time_to_first_token and final.new_tokens == 5
+
+
+# -- speculative decoding --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["ngram", "draft-same", "draft-other"])
+def test_speculative_greedy_equals_plain_greedy(small, tmp_path, mode):
+    p = prompts([30], seed=9)[0]
+    p = p + p[:12] + p + p[5:20]  # repeats: n-gram lookup has something to propose
+    kw = {}
+    if mode == "ngram":
+        kw["ngram_draft"] = True
+    elif mode == "draft-same":
+        kw["draft_model"] = small
+    else:
+        kw["draft_model"] = tiny_llama(tmp_path / "draft", 211, seed=5, layers=1)
+    gen = Generator(small, PagedCache(small, num_pages=64, page_size=8), None, num_draft_tokens=4, **kw)
+    jobs = [Job(p, max_new_tokens=40, sampler=GREEDY), Job(p[:50], max_new_tokens=25, sampler=GREEDY)]
+    run_all(gen, jobs)
+    for j in jobs:
+        assert j.generated == reference_greedy(small, j.input_ids, j.max_new_tokens)[0]
+    if mode == "draft-same":
+        assert gen.stats["accepted"] == gen.stats["drafted"] > 0
+    else:
+        assert gen.stats["drafted"] > 0
+    assert gen.cache.pages_in_use == 0
+    if gen.draft_cache is not None:
+        assert gen.draft_cache.pages_in_use == 0
+
+
+def test_speculative_sampling_is_reproducible_and_well_formed(small):
+    s = SamplerSettings(temperature=0.8, top_k=50)
+    p = prompts([24], seed=10)[0]
+    outs = []
+    for _ in range(2):
+        gen = Generator(small, PagedCache(small, num_pages=32, page_size=8), None, draft_model=small)
+        job = Job(p, max_new_tokens=30, sampler=s, seed=3)
+        run_all(gen, [job])
+        outs.append(job.generated)
+        assert len(job.generated) == 30 and gen.stats["drafted"] > 0
+    assert outs[0] == outs[1]
+
+
+# -- asyncio ---------------------------------------------------------------------------------------------------------
+
+
+def test_async_generator_streams_and_cancels(small):
+    gen = Generator(small, PagedCache(small, num_pages=64, page_size=8), None)
+    ps = prompts([10, 20, 5], seed=11)
+
+    async def main():
+        agen = AsyncGenerator(gen)
+
+        async def consume(p, n):
+            out = []
+            async for ev in AsyncJob(agen, Job(p, max_new_tokens=n, sampler=GREEDY)):
+                out += ev.token_ids
+                last = ev
+            return out, last
+
+        results = await asyncio.gather(*(consume(p, 8) for p in ps))
+        long = AsyncJob(agen, Job(ps[0], max_new_tokens=400, sampler=GREEDY))
+        seen = 0
+        async for ev in long:
+            seen += len(ev.token_ids)
+            if seen >= 3 and not ev.eos:
+                await long.cancel()
+            if ev.eos:
+                reason = ev.eos_reason
+        await agen.close()
+        return results, reason
+
+    results, reason = asyncio.run(main())
+    for (toks, last), p in zip(results, ps):
+        assert toks == reference_greedy(small, p, 8)[0] and last.eos_reason == "max_new_tokens"
+    assert reason == "cancelled" and gen.cache.pages_in_use == 0
+
+
+# -- the real model --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from exl.assets import smollm2_dir
+
+    return exl.load_model(smollm2_dir(), progress=False)
+
+
+def test_smollm2_generate_matches_reference_and_ngram_speculation(smol, tok):
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}])
+    ids = tok.encode(prompt)
+    want = reference_greedy(smol, ids, 24)[0]
+    plain = Generator(smol, PagedCache(smol, max_tokens=1024, page_size=64), tok)
+    text, ev = plain.generate(prompt, max_new_tokens=24, sampler=GREEDY, ignore_eos=True, return_events=True)
+    assert ev.job.generated == want and text == tok.decode(want, skip_special=True)
+    spec = Generator(smol, PagedCache(smol, max_tokens=1024, page_size=64), tok, ngram_draft=True, num_draft_tokens=5)
+    text2, ev2 = spec.generate(prompt, max_new_tokens=24, sampler=GREEDY, ignore_eos=True, return_events=True)
+    assert ev2.job.generated == want and ev2.accepted_draft_tokens > 0
