@@ -42,8 +42,8 @@ def _digest(names: list[str], flags: list[str]) -> str:
     import torch
 
     h = hashlib.sha256()
-    for p in sorted(CSRC.iterdir()):
-        if p.suffix in (".h", ".inc", ".cpp", ".cu", ".cuh"):
+    for p in sorted(CSRC.iterdir()):  # the sources of this extension and every header
+        if p.name in names or p.suffix in (".h", ".inc", ".cuh"):
             h.update(p.name.encode() + p.read_bytes())
     h.update(" ".join(names + flags).encode())
     h.update(f"{torch.__version__} {sys.version_info[:2]} {sysconfig.get_platform()}".encode())
