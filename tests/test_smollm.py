@@ -59,21 +59,21 @@ def test_logits_match_transformers(ours, theirs, tokenizer):
 
 def test_perplexity_matches_transformers(ours, theirs, tokenizer):
     tokens = tokenizer.encode(eval_text(), add_bos=False, special=False)
-    result = perplexity(ours, tokens, ctx=512, max_windows=3, progress=False)
+    result = perplexity(ours, tokens, ctx=256, max_windows=2, progress=False)
     nll, count = 0.0, 0
-    for w in windows(tokens, 512, 3):
+    for w in windows(tokens, 256, 2):
         with torch.no_grad():
             out = theirs(w[None], labels=w[None])  # mean NLL over tokens 2..ctx
-        nll += out.loss.item() * 511
-        count += 511
-    assert result["tokens"] == count and result["windows"] == 3
+        nll += out.loss.item() * 255
+        count += 255
+    assert result["tokens"] == count and result["windows"] == 2
     assert abs(result["ppl"] / math.exp(nll / count) - 1) < 1e-3
     assert 5 < result["ppl"] < 60
 
 
 def test_kld_of_model_with_itself_is_zero(ours, tokenizer):
     tokens = tokenizer.encode(eval_text()[:20000], add_bos=False, special=False)
-    r = perplexity(ours, tokens, ctx=128, max_windows=2, ref_model=ours, progress=False)
+    r = perplexity(ours, tokens, ctx=64, max_windows=2, ref_model=ours, progress=False)
     assert abs(r["kld"]) < 1e-6
 
 
@@ -81,10 +81,10 @@ def test_eval_cli_json(smollm_dir, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(eval_text()[:30000])
     out = subprocess.run([sys.executable, "-m", "exl.cli", "eval", "ppl", "-m", str(smollm_dir), "--text", str(text),
-                          "--ctx", "256", "--max-windows", "2", "--json"], capture_output=True, text=True, timeout=300)
+                          "--ctx", "128", "--max-windows", "2", "--json"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["windows"] == 2 and result["tokens"] == 2 * 255 and result["kld"] is None
+    assert result["windows"] == 2 and result["tokens"] == 2 * 127 and result["kld"] is None
     assert 1 < result["ppl"] < 100
 
 
