@@ -1,0 +1,48 @@
+"""`exl convert` / `python convert.py`: quantize a model to a bits-per-weight target (see quant.convert)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.add_argument("-i", "--input", required=True, help="input model: a Hugging Face folder (config.json + *.safetensors)")
+    p.add_argument("-o", "--output", required=True, help="output folder for the quantized model")
+    p.add_argument("-b", "--bits", type=float, required=True,
+                   help="target bits per weight over the decoder's linear layers (2.0-8.5), all stored bits counted")
+    p.add_argument("-hb", "--head-bits", type=int, default=6, help="bits of the output head (2-8); 16 keeps it unquantized")
+    p.add_argument("-w", "--work", default=None, help="work folder for resumable state (default: OUT/work, removed when done)")
+    p.add_argument("-r", "--resume", action="store_true", help="resume the conversion in the work folder after a crash or kill")
+    p.add_argument("-c", "--calibration", default=None,
+                   help="calibration data: parquet, jsonl, json, txt, csv, arrow file or a saved `datasets` folder with a "
+                        "text column (default: the built-in corpus of Python docstrings, code and chats)")
+    p.add_argument("--calibration-column", default=None, help="text column of -c (default: 'text', else the first string column)")
+    p.add_argument("-cr", "--calibration-rows", type=int, default=24, help="calibration rows")
+    p.add_argument("-cl", "--calibration-length", type=int, default=512, help="tokens per calibration row")
+    p.add_argument("-m", "--measurement", default=None,
+                   help="reuse measurement.json (file, or the output folder of an earlier conversion of the same model) "
+                        "to convert to another size without measuring again")
+    p.add_argument("--seed", type=int, default=0, help="seed for the calibration corpus, random signs and the Fisher pass")
+    p.add_argument("-ss", "--shard-size", type=int, default=4096, help="maximum shard size in MB")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or final table")
+
+
+def job_from_args(args):
+    from quant.convert import Job
+
+    return Job(input=args.input, output=args.output, bits=args.bits, head_bits=args.head_bits, work=args.work,
+               calibration=args.calibration, column=args.calibration_column, rows=args.calibration_rows,
+               length=args.calibration_length, measurement=args.measurement, seed=args.seed,
+               shard_mb=args.shard_size, device=args.device)
+
+
+def run(args) -> int:
+    import logging
+
+    from quant.convert import convert  # the one place exl imports quant: only when converting
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    convert(job_from_args(args), resume=args.resume, progress=not args.quiet)
+    return 0
