@@ -134,6 +134,9 @@ def test_prefix_pages_shared_and_reused_after_the_first_job_ends(small):
     events = run_all(gen, [later])
     assert events[later][-1].cached_tokens == 40
     assert later.generated == reference_greedy(small, system + [1, 2], 4)[0]
+    again = Job(system + users[1], max_new_tokens=6, sampler=GREEDY)  # a repeat reuses all but its last token
+    events = run_all(gen, [again])
+    assert events[again][-1].cached_tokens == len(system + users[1]) - 1 and again.generated == jobs[1].generated
 
 
 def test_cancel_frees_pages(small):

@@ -130,21 +130,22 @@ def test_prefix_pages_shared_reserved_released_and_reused(models):
     a_pages = list(a.pages)
     assert not cache.pending_prefix(prompt[:9] + [99, 98])
 
-    b = cache.open(prompt[:9] + [99, 98], 16)  # shares a's first 2 pages (8 tokens)
-    assert b.length == 8 and b.pages[:2] == a.pages[:2]
-    cache.extend(b, 3)
-    cache.commit(b, [prompt[8], 99, 98])
+    b = cache.open(prompt[:9] + [99, 98], 16)  # shares a's first 2 pages, copies 1 token of the 3rd
+    assert b.length == 9 and b.pages[:2] == a.pages[:2] and b.pages[2] != a.pages[2]
+    cache.extend(b, 2)
+    cache.commit(b, [99, 98])
     assert cache.pages_in_use == 4 + 1  # only one new page for b
     same = cache.open(prompt, 20)  # identical prompt: reuses 3 pages (<= len - 1 tokens), computes the last token
     assert same.length == 12
     cache.close(same)
 
     cache.close(a)
-    assert cache.pages_in_use == 3 and cache.pages_cached == 1  # b keeps 2 of a's pages; a's 3rd is kept, its last freed
+    # b keeps 2 of a's pages; a's 3rd page (full) and its partial last page are kept for reuse
+    assert cache.pages_in_use == 3 and cache.pages_cached == 2
     cache.close(b)
-    assert cache.pages_in_use == 0 and cache.pages_cached == 3 and cache.reserved == 0
-    c = cache.open(prompt + [1, 2, 3], 24)  # after both ended: the 3 full prompt pages are reused
-    assert c.length == 12 and c.pages == a_pages[:3] and cache.pages_cached == 0
+    assert cache.pages_in_use == 0 and cache.pages_cached == 5 and cache.reserved == 0
+    c = cache.open(prompt + [1, 2, 3], 24)  # after both ended: 3 full pages + 1 token of a's last page
+    assert c.length == 13 and c.pages[:3] == a_pages[:3] and cache.pages_cached == 2
     cache.close(c)
 
 
@@ -164,9 +165,9 @@ def test_reservation_queues_instead_of_overcommitting(models):
 def test_cached_pages_are_recycled_least_recent_first(models):
     model = models["llama"]
     cache = PagedCache(model, num_pages=4, page_size=2)
-    for prompt in ([1, 2, 3], [4, 5, 6]):
-        t = cache.open(prompt, 3)
-        cache.extend(t, 3)
+    for prompt in ([1, 2], [4, 5]):
+        t = cache.open(prompt, 2)
+        cache.extend(t, 2)
         cache.commit(t, prompt)
         cache.close(t)
     assert cache.pages_cached == 2
@@ -200,3 +201,28 @@ def test_chain_hash_depends_on_whole_prefix():
     b = chain_hashes([9, 2, 3, 4, 5, 6], 3)
     assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]  # same second page, different history
     assert chain_hashes([1, 2, 3, 4, 5], 3) == a[:1]
+
+
+def test_partial_page_is_copied_from_a_known_page(models):
+    """Past the last whole shared page, the longest common part of a known page is copied, not recomputed."""
+    model = models["llama"]
+    ps = 8
+    cache = PagedCache(model, num_pages=16, page_size=ps)
+    ids = torch.randint(0, BASE["vocab_size"], (1, 21), generator=torch.Generator().manual_seed(6))
+    prompt = ids[0].tolist()
+    _, a = run_chunks(model, cache, ids[:, :19], [(0, 19)])  # 2 full pages + 3 tokens
+    cache.close(a)
+    assert cache.pages_cached == 3  # the partial last page is kept too
+    b = cache.open(prompt, 21)  # same 19 tokens, then 2 new ones: reuses 16 + 3 copied
+    assert b.length == 19 and b.pages[:2] == a_pages(cache, prompt)[:2] and cache.pages_in_use == 3
+    cache.extend(b, 2)
+    out = model(ids[:, 19:], ctx=PagedContext(cache, [(b, 2)]))
+    check_close(out, model(ids)[:, 19:], 1e-5)
+    cache.close(b)
+    c = cache.open(prompt[:12] + [1, 2, 3], 15)  # diverges inside page 2: copies the 4 tokens in common
+    assert c.length == 12
+    cache.close(c)
+
+
+def a_pages(cache, prompt):
+    return cache.match(prompt)[0]

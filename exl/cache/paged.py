@@ -7,7 +7,10 @@ pages in order. Pages are allocated as a sequence grows and released when it clo
 Prefix reuse: a full page is named by a chained hash of every token id up to its end (the hash of
 page i covers pages 0..i). When a sequence opens with a prompt, every leading page whose hash is known
 is taken as is, whether another sequence holds it right now or it was kept after its sequence closed
-(released pages that carry a hash stay in an LRU list and are recycled last).
+(released pages with known content stay in an LRU list and are recycled last). Past the last shared
+page, the known page (full, or the partial last page of a closed sequence) that follows the same
+prefix and agrees longest with the prompt is copied into the new sequence's first own page, so a
+prompt that repeats an earlier one reuses all of it, not just whole pages.
 
 Admission is by reservation: `open` succeeds only if the pages the sequence may still need (for its
 `max_tokens`) fit beside every other open sequence's reservation, so a running sequence never runs out
@@ -118,9 +121,11 @@ class PagedCache:
 
         self._refs = [0] * self.num_pages
         self._free = set(range(self.num_pages))
-        self._lru: OrderedDict[int, None] = OrderedDict()  # released pages that still carry a hash
+        self._lru: OrderedDict[int, None] = OrderedDict()  # released pages with known content, oldest first
         self._page_hash: dict[int, bytes] = {}
         self._hash_page: dict[bytes, int] = {}
+        self._page_tokens: dict[int, tuple[bytes, tuple]] = {}  # known page -> (hash of the pages before, its tokens)
+        self._children: dict[bytes, dict[int, None]] = {}  # hash of a prefix -> known pages that follow it
         self._pending: dict[bytes, PageTable] = {}  # hashes of prompt pages being written by an open sequence
         self.reserved = 0  # sum of open sequences' reservations
 
@@ -173,6 +178,23 @@ class PagedCache:
             pages.append(p)
         return pages, hashes, False
 
+    def match_partial(self, token_ids, pages: int, prev: bytes) -> tuple[int | None, int]:
+        """The known page following the first `pages` shared pages (prefix hash `prev`) that agrees longest with
+        token_ids there (leaving at least one token to compute): (page, tokens in common) or (None, 0)."""
+        start = pages * self.page_size
+        want = token_ids[start : min(len(token_ids) - 1, start + self.page_size)]
+        best, best_n = None, 0
+        for p in self._children.get(prev, ()):
+            have = self._page_tokens[p][1]
+            n = 0
+            for a, b in zip(have, want):
+                if a != b:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = p, n
+        return best, best_n
+
     def pending_prefix(self, token_ids) -> bool:
         """True if an open sequence is computing a page this prompt could reuse once it is written."""
         return self.match(token_ids)[2]
@@ -189,6 +211,8 @@ class PagedCache:
         pages, hashes, _ = self.match(token_ids)
         need = self.pages_for(max(max_tokens, len(token_ids))) - len(pages)
         revived = sum(1 for p in pages if self._refs[p] == 0)
+        src, copied = self.match_partial(token_ids, len(pages), hashes[-1] if hashes else b"")
+        revived += 1 if src is not None and self._refs[src] == 0 else 0  # held during the copy
         if need + revived > len(self._free) + len(self._lru) - self.reserved:
             return None
         for p in pages:
@@ -196,6 +220,15 @@ class PagedCache:
         length = len(pages) * self.page_size
         table = PageTable(self, list(pages), token_ids[:length], list(hashes), need)
         self.reserved += need
+        if src is not None:  # copy the common part of a known page into our first own page
+            self._ref(src)
+            self.extend(table, copied)
+            dst = table.pages[-1]
+            self.k.copy_slots(src * self.page_size, dst * self.page_size, copied)
+            self.v.copy_slots(src * self.page_size, dst * self.page_size, copied)
+            self._unref(src)
+            table.token_ids.extend(token_ids[length : length + copied])
+        table.reused = table.length
         if announce:
             for h in chain_hashes(token_ids, self.page_size)[len(pages) :]:
                 self._pending.setdefault(h, table)
@@ -239,11 +272,17 @@ class PagedCache:
             self.reserved += 1
 
     def close(self, table: PageTable, share: bool = True) -> None:
-        """Release the sequence. share: publish its full pages (generated ones too) for reuse first."""
+        """Release the sequence. share: publish its full pages (generated ones too) and its partial last page
+        for reuse first."""
         if table.closed:
             return
         if share:
             self._hash_full_pages(table)
+            full, rest = divmod(table.length, self.page_size)
+            last = table.pages[full] if rest and full < len(table.pages) else None
+            if last is not None and self._refs[last] == 1 and last not in self._page_tokens:
+                prev = table.hashes[full - 1] if full else b""
+                self._know(last, prev, table.token_ids[full * self.page_size :])
         for h in [h for h, t in self._pending.items() if t is table]:
             del self._pending[h]
         for p in table.pages:
@@ -274,6 +313,12 @@ class PagedCache:
                 del self._pending[h]
             if h not in self._hash_page and p not in self._page_hash:
                 self._hash_page[h], self._page_hash[p] = p, h
+                self._know(p, table.hashes[i - 1] if i else b"", table.token_ids[i * self.page_size : (i + 1) * self.page_size])
+
+    def _know(self, p: int, prev: bytes, tokens) -> None:
+        """Record a page's content (it follows the prefix hashed `prev`) for partial reuse."""
+        self._page_tokens[p] = (prev, tuple(tokens))
+        self._children.setdefault(prev, {})[p] = None
 
     def _ref(self, p: int) -> None:
         if self._refs[p] == 0:
@@ -284,7 +329,7 @@ class PagedCache:
     def _unref(self, p: int) -> None:
         self._refs[p] -= 1
         if self._refs[p] == 0:
-            if p in self._page_hash:
+            if p in self._page_tokens:
                 self._lru[p] = None  # most recently used last
             else:
                 self._free.add(p)
@@ -293,6 +338,12 @@ class PagedCache:
         h = self._page_hash.pop(p, None)
         if h is not None:
             del self._hash_page[h]
+        known = self._page_tokens.pop(p, None)
+        if known is not None:
+            siblings = self._children[known[0]]
+            del siblings[p]
+            if not siblings:
+                del self._children[known[0]]
 
     def _alloc(self, after: int | None) -> int:
         """A free page: right after `after` if possible (keeps runs contiguous), else in the middle of the
