@@ -35,10 +35,11 @@ class QuantLinear(torch.nn.Module):
         exact: CPU only. False (default; env EXL_CPU_EXACT=1 flips it): small batches multiply
             int8-quantized activations (per 32 channels, like llama.cpp's Q8_0), adding a relative
             output error of about 0.5% RMS; True: fp32 activations throughout.
-        gemm_min_rows: CPU only. From this many input rows on, use dequant + BLAS GEMM.
+        gemm_min_rows: CPU only. From this many input rows on, use dequant + BLAS GEMM (the int8
+            GEMV costs about the same per row at any batch; GEMM wins from ~8 rows).
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], *, exact: bool | None = None, gemm_min_rows: int = 17):
+    def __init__(self, tensors: dict[str, torch.Tensor], *, exact: bool | None = None, gemm_min_rows: int = 8):
         super().__init__()
         missing = [k for k in REQUIRED if k not in tensors]
         unknown = sorted(set(tensors) - set(REQUIRED) - set(OPTIONAL))
@@ -56,8 +57,7 @@ class QuantLinear(torch.nn.Module):
         self.bits_per_weight = F.bits_per_weight(tensors)
         self.exact = _default_exact() if exact is None else exact
         self.gemm_min_rows = gemm_min_rows
-        self._kernel = None  # the extension's layer object, built on first forward for the buffers' device
-        self._kernel_device = None
+        self._kernel = None  # the extension's layer object (False: none), built on first forward
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The stored tensors by format name (what `exl.format` functions take)."""
@@ -74,29 +74,31 @@ class QuantLinear(torch.nn.Module):
         self._kernel = None
         return super()._load_from_state_dict(*args, **kwargs)
 
-    def _build_kernel(self, device: torch.device):
+    def _build_kernel(self):
         import cuda_ext
 
         t = self.tensors()
+        device = t["qweight"].device
         args = [t["qweight"], t["qscale"], t["qmeta"], t.get("perm"), t.get("su"), t.get("sv"), t.get("bias")]
-        ext = cuda_ext.cuda() if device.type == "cuda" else cuda_ext.cpu() if device.type == "cpu" else None
-        if ext is None:
-            return None
-        return ext.QuantLinearCUDA(*args) if device.type == "cuda" else ext.QuantLinearCPU(*args)
+        if device.type == "cuda":
+            ext = cuda_ext.cuda()
+            return ext.QuantLinearCUDA(*args) if ext else None
+        ext = cuda_ext.cpu() if device.type == "cpu" else None
+        return ext.QuantLinearCPU(*args) if ext else None
 
     def kernel(self):
         """The extension's layer object for the buffers' device, or None (reference path)."""
-        device = self.qweight.device
-        if self._kernel is None or self._kernel_device != device:
-            self._kernel = self._build_kernel(device) or False
-            self._kernel_device = device
+        if self._kernel is None:
+            self._kernel = self._build_kernel() or False
         return self._kernel or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"QuantLinear: input has last dimension {x.shape[-1]}, expected {self.in_features}")
-        k = self.kernel()
+        k = self._kernel  # hot path: one attribute read, then straight into C++
         if k is None:
+            k = self.kernel() or False
+        if k is False:
+            if x.shape[-1] != self.in_features:
+                raise ValueError(f"QuantLinear: input has last dimension {x.shape[-1]}, expected {self.in_features}")
             return F.reference_forward(x, self.tensors())
         if x.is_cuda:
             return k.forward(x if x.dtype == torch.float16 else x.half()).to(x.dtype)
