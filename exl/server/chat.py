@@ -200,12 +200,16 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
                   "logprobs": None, "finish_reason": _finish(r.finish_reason, calls)}
         if req.logprobs:
             choice["logprobs"] = {"content": token_logprobs(lm, r.token_ids, r.logprobs, r.top_logprobs, run.top_n)}
+        if req.return_token_ids:
+            choice["token_ids"] = r.token_ids
         choices.append(choice)
     use = run.usage(list(results.values()), timing)
     engine.log_request(state.config, "chat", run.id, use, [c["finish_reason"] for c in choices], run.prompt,
                        [r.text for r in results.values()])
     body = {"id": run.id, "object": "chat.completion", "created": run.created, "model": lm.name,
             "choices": choices, "usage": use, "system_fingerprint": None}
+    if req.return_token_ids:
+        body["prompt_token_ids"] = run.ids
     return JSONResponse(body)
 
 
@@ -222,6 +226,7 @@ async def _stream(run: ChatRun, events, timing):
 
     parsers = {i: tools.ToolStreamParser(lm.tool_format) for i in range(req.n)} if run.tool_mode == "auto" else {}
     results = {i: ChoiceResult(i, prompt_tokens=len(run.ids)) for i in range(req.n)}
+    finish = {}
     try:
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(req.n)])
@@ -237,8 +242,11 @@ async def _stream(run: ChatRun, events, timing):
             if req.logprobs and event.token_ids:
                 logprobs = {"content": token_logprobs(lm, event.token_ids, event.logprobs or [],
                                                       event.top_logprobs or [], run.top_n)}
-            if text or logprobs:
-                yield chunk([{"index": i, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}])
+            if text or logprobs or (req.return_token_ids and event.token_ids):
+                c = {"index": i, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
+                if req.return_token_ids:
+                    c["token_ids"] = list(event.token_ids or [])
+                yield chunk([c])
             if event.eos:
                 calls = []
                 if run.tool_mode == "auto":
@@ -256,12 +264,12 @@ async def _stream(run: ChatRun, events, timing):
                                "function": {"name": c.name, "arguments": c.arguments}} for k, c in enumerate(calls)]
                     yield chunk([{"index": i, "delta": {"tool_calls": deltas}, "logprobs": None,
                                   "finish_reason": None}])
-                yield chunk([{"index": i, "delta": {}, "logprobs": None,
-                              "finish_reason": _finish(r.finish_reason, calls)}])
+                finish[i] = _finish(r.finish_reason, calls)
+                yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish[i]}])
         use = run.usage(list(results.values()), timing)
         if include_usage:
             yield chunk([], use)
-        engine.log_request(run.config, "chat", run.id, use, [r.finish_reason for r in results.values()], run.prompt,
+        engine.log_request(run.config, "chat", run.id, use, list(finish.values()), run.prompt,
                            [r.text for r in results.values()])
         yield "[DONE]"
     except APIError as e:

@@ -115,6 +115,8 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
         echo = run.echo_text(s.index)
         choices.append({"index": s.index, "text": echo + r.text, "finish_reason": r.finish_reason or "stop",
                         "logprobs": completion_logprobs(lm, r, run.top_n, len(echo)) if run.logprobs else None})
+        if req.return_token_ids:
+            choices[-1].update(token_ids=r.token_ids, prompt_token_ids=s.input_ids)
     use = run.usage(results, timing)
     engine.log_request(state.config, "completion", run.id, use, [c["finish_reason"] for c in choices],
                        [t for t, _ in run.prompts], [r.text for r in results.values()])
@@ -149,9 +151,12 @@ async def _stream(run: CompletionRun, events, timing):
                                     top_logprobs=list(event.top_logprobs or []))
                 logprobs = completion_logprobs(lm, part, run.top_n, offsets[i])
                 offsets[i] += sum(len(t) for t in logprobs["tokens"])
-            if event.text or logprobs or event.eos:
-                yield chunk([{"index": i, "text": event.text or "", "logprobs": logprobs,
-                              "finish_reason": (results[i].finish_reason or "stop") if event.eos else None}])
+            if event.text or logprobs or event.eos or (req.return_token_ids and event.token_ids):
+                c = {"index": i, "text": event.text or "", "logprobs": logprobs,
+                     "finish_reason": (results[i].finish_reason or "stop") if event.eos else None}
+                if req.return_token_ids:
+                    c["token_ids"] = list(event.token_ids or [])
+                yield chunk([c])
         use = run.usage(results, timing)
         if include_usage:
             yield chunk([], use)

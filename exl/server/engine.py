@@ -277,6 +277,7 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing") -> As
             queue.put_nowait((index, None, StopAsyncIteration()))
 
     tasks = []
+    ended: set = set()
     try:
         for job in jobs:
             index = job.identifier
@@ -297,6 +298,7 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing") -> As
                 raise _generation_error(error)
             timing.tokens(index, len(event.token_ids or []))
             if event.eos:
+                ended.add(index)
                 finish = FINISH.get(event.eos_reason or "", "stop")
                 metrics.requests.labels(finish).inc()
                 metrics.generation_tokens.inc(event.new_tokens or 0)
@@ -308,6 +310,8 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing") -> As
         with anyio.CancelScope(shield=True):
             for async_job in async_jobs:
                 lm.jobs.discard(async_job)
+                if async_job.job.identifier not in ended:
+                    metrics.requests.labels("cancelled").inc()
                 if not _finished(async_job):
                     try:
                         await async_job.cancel()

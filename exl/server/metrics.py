@@ -6,8 +6,10 @@ are read from the generator and cache at scrape time.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+
+disable_created_metrics()  # no *_created samples: they only clutter the output
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -100,6 +100,8 @@ class SamplingRequest(_Request):
     regex_pattern: str | None = Field(None, max_length=10_000, description="constrain the output to this regex")
     grammar_string: str | None = Field(None, max_length=100_000, description="constrain the output to this grammar")
     skip_special_tokens: bool = True
+    return_token_ids: bool = Field(False, description="add `prompt_token_ids` and each choice's `token_ids` to the "
+                                   "response (stream: each chunk's new ids)")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -225,6 +227,7 @@ class ChatChoice(_Body):
     message: ResponseMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = Field(None, description="with return_token_ids: the generated ids")
 
 
 class ChatCompletion(_Body):
@@ -234,6 +237,7 @@ class ChatCompletion(_Body):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids: the prompt's ids")
 
 
 class DeltaToolCall(_Body):
@@ -291,6 +295,8 @@ class CompletionChoice(_Body):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = Field(None, description="with return_token_ids: the generated ids")
+    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids: this prompt's ids")
 
 
 class Completion(_Body):

@@ -223,7 +223,7 @@ def call_schema(tools: list[dict], fmt: str, name: str | None = None) -> dict:
     key = "parameters" if fmt == "llama3" else "arguments"
     options = [{"type": "object",
                 "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]}, key: _params(t)},
-                "required": ["name", key]} for t in chosen]
+                "required": ["name", key], "additionalProperties": False} for t in chosen]
     one = options[0] if len(options) == 1 else {"anyOf": options}
     if fmt == "mistral":
         return {"type": "array", "items": one, "minItems": 1, "maxItems": 1}
