@@ -213,21 +213,20 @@ class QuantLinearCPU {
       for (int64_t k = 0; k < K; ++k) out[m * K + k] = u[m * K + perm[k]];
   }
 
-  // Large batches: dequantize a tile of rows into a cache-sized fp32 buffer, multiply with BLAS.
+  // Large batches: dequantize a tile of rows into a cache-sized fp32 buffer (threads split the
+  // rows), then multiply it with BLAS (threaded inside); no nested parallel regions.
   void gemm(const float* u, int64_t M, torch::Tensor& y) const {
     const int64_t K = layer_.K, N = layer_.N;
-    const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(256, ((int64_t(1) << 18) / K) & ~int64_t(15)));
-    const int64_t n_tiles = (N + tile - 1) / tile;
-    auto ut = torch::from_blob(const_cast<float*>(u), {M, K}, torch::kFloat32);
-    at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
-      auto w = torch::empty({tile, K}, torch::kFloat32);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-        kernels_->dequant(layer_, n0, n1, w.data_ptr<float>(), K);
-        auto out = y.narrow(1, n0, n1 - n0);
-        at::mm_out(out, ut, w.narrow(0, 0, n1 - n0).t());
-      }
-    });
+    const int64_t tile = std::max<int64_t>(64, std::min<int64_t>(1024, ((int64_t(1) << 19) / K) & ~int64_t(15)));
+    const auto ut = torch::from_blob(const_cast<float*>(u), {M, K}, torch::kFloat32);
+    auto w = torch::empty({std::min(tile, N), K}, torch::kFloat32);
+    float* wp = w.data_ptr<float>();
+    for (int64_t n0 = 0; n0 < N; n0 += tile) {
+      const int64_t n1 = std::min(N, n0 + tile);
+      at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) { kernels_->dequant(layer_, a, b, wp + (a - n0) * K, K); });
+      auto out = y.narrow(1, n0, n1 - n0);
+      at::mm_out(out, ut, w.narrow(0, 0, n1 - n0).t());
+    }
   }
 
   torch::Tensor qweight_, qscale_, perm_, su_, sv_, bias_;
