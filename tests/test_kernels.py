@@ -147,6 +147,8 @@ def test_exact_inputs_give_exact_outputs(ext, isa, bits):
     k = kernel(ext, t, isa)
     for path in ("int8", "fp32", "gemm"):
         assert torch.equal(k.forward(x, path), want), path
+        for m in range(3):  # one row: the decode kernels (4 weight rows per step, 4-bit pair unpack)
+            assert torch.equal(k.forward(x[m : m + 1], path), want[m : m + 1]), (path, m)
 
 
 @pytest.mark.parametrize("isa", isas())
