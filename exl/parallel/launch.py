@@ -148,10 +148,22 @@ def _device(opts: dict, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def build_kernels(path, device: torch.device) -> None:
+    """Build (or load the cached) quantized-layer kernels now, before any rank waits on another:
+    a first-time compile takes about a minute."""
+    config = ModelConfig.from_dir(path)
+    if config.quantization:
+        import cuda_ext
+
+        cuda_ext.cuda() if device.type == "cuda" else cuda_ext.cpu()
+
+
 def start_rank(rank: int, world: int, local_rank: int, opts: dict | None, init_method: str | None = "env://",
                store=None) -> Runner:
     """Join the group, agree on rank 0's options, and load this rank's part (all ranks or none)."""
     device = _device(opts or {}, local_rank)
+    if opts:
+        build_kernels(opts["path"], device)
     comm = Comm.init(rank, world, device, init_method, (opts or {}).get("timeout", DEFAULT_TIMEOUT), store)
     opts = comm.broadcast_object(opts if rank == 0 else None)
     free = comm.all_gather_object(_free_bytes(device))
@@ -274,6 +286,7 @@ def load_parallel(path: str | Path, tp: int | None = None, gpu_split: list[float
     ModelConfig.from_dir(path)  # a bad folder fails here, before any process starts
     opts = dict(path=str(path), mode=mode, gpu_split=gpu_split, shares=shares, dtype=dtype, device=device,
                 split_head=split_head, timeout=timeout, progress=progress)
+    make_plan(0, world, opts, [None] * world)  # an impossible split fails here, before any process starts
 
     if env is not None:
         rank, world, local = env
@@ -290,6 +303,7 @@ def load_parallel(path: str | Path, tp: int | None = None, gpu_split: list[float
 
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT") or _free_port())
+    build_kernels(path, _device(opts, 0))  # once, here, so that the ranks find them built
     cpu = _device(opts, 0).type == "cpu"
     threads_before = torch.get_num_threads() if cpu else None
     threads = max(1, (os.cpu_count() or world) // world) if cpu else None

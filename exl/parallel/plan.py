@@ -65,12 +65,15 @@ def channel_unit(total: int, parts: int, preferred: int = 128) -> int:
 
 
 def snap_cuts(total: int, shares: list[float], boundaries: list[int]) -> list[tuple[int, int]]:
-    """Ranges over [0, total) cut only at allowed `boundaries`, as close to the shares as possible."""
+    """Ranges over [0, total) cut only at allowed `boundaries`, as close to the shares as possible.
+
+    With fewer pieces than parts, the last parts get empty ranges (they contribute nothing).
+    """
     allowed = sorted(set(b for b in boundaries if 0 < b < total))
     n = len(shares)
     if len(allowed) < n - 1:
-        raise ParallelError(f"a layer of {total} input channels has only {len(allowed) + 1} quantization groups, "
-                            f"too few to split over {n} devices")
+        pieces = [0] + allowed + [total] * (n - len(allowed))
+        return list(zip(pieces[:-1], pieces[1:]))
     cuts, acc, prev = [0], 0.0, 0
     for i in range(n - 1):
         acc += shares[i] / sum(shares)

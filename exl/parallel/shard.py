@@ -89,15 +89,16 @@ class ShardLinear(nn.Module):
     """A rank's part of a split linear layer, plus what the part cannot do alone.
 
     In order: gather the full input from all ranks, rotate it (signs + blockwise Hadamard) and pick
-    this part's input channels, multiply, rotate the output, add the bias, sum over ranks. Rotations
+    this part's input channels, multiply, rotate the output (and drop rows computed only to complete
+    a Hadamard block), add the bias, sum over ranks. Rotations
     and bias are linear, so applying them before the sum is exact (the bias lives on one rank).
     """
 
     def __init__(self, inner: nn.Module, comm: Comm, *, gather_sizes=None, in_signs=None, in_block=None,
-                 index=None, out_signs=None, out_block=None, bias=None, reduce=False):
+                 index=None, out_signs=None, out_block=None, out_keep=None, bias=None, reduce=False):
         super().__init__()
         self.inner, self.comm, self.gather_sizes, self.reduce = inner, comm, gather_sizes, reduce
-        self.in_block, self.out_block = in_block, out_block
+        self.in_block, self.out_block, self.out_keep = in_block, out_block, out_keep
         self.register_buffer("in_signs", in_signs, persistent=False)
         self.register_buffer("index", index, persistent=False)
         self.register_buffer("out_signs", out_signs, persistent=False)
@@ -113,9 +114,22 @@ class ShardLinear(nn.Module):
         z = self.inner(x)
         if self.out_signs is not None:
             z = fmt.fwht(z, self.out_block) * self.out_signs.to(z.dtype)
+        if self.out_keep is not None:
+            z = z[..., self.out_keep[0] : self.out_keep[1]]
         if self.bias is not None:
             z = z + self.bias
         return self.comm.all_reduce(z) if self.reduce else z
+
+
+class NoInput(nn.Module):
+    """The part of a row-split layer on a rank that got none of its input channels: zeros."""
+
+    def __init__(self, out_features: int, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.dtype = out_features, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(*x.shape[:-1], self.out_features)
 
 
 class VocabHead(nn.Module):
@@ -286,17 +300,18 @@ class ShardedBuilder(Builder):
 
     def _quant_col(self, prefix, t, spec: Col):
         n = t["qweight"].shape[0]
-        part = quant_rows(t, spec.n0, spec.n1)
         if "sv" not in t:
-            return _quant_linear(part, self.device)
-        block = fmt.hadamard_block(n)
-        if spec.n0 % block or spec.n1 % block:
-            raise ParallelError(f"{self.loader.path}: {prefix}: output split [{spec.n0}, {spec.n1}) cuts a Hadamard "
-                                f"block of {block} channels; use a --tp that divides the heads/channels evenly")
+            return _quant_linear(quant_rows(t, spec.n0, spec.n1), self.device)
+        # The output rotation mixes channels within Hadamard blocks: compute the whole blocks that
+        # overlap [n0, n1) (a few extra rows where the split cuts a block), rotate, keep [n0, n1).
+        block, dev = fmt.hadamard_block(n), self.device
+        a, b = spec.n0 // block * block, -(-spec.n1 // block) * block
+        part = quant_rows(t, a, b)
         bias = part.pop("bias", None)
-        dev = self.device
-        return ShardLinear(_quant_linear(part, dev), self.comm, out_signs=signs(t["sv"], n, spec.n0, spec.n1).to(dev),
-                           out_block=block, bias=None if bias is None else bias.to(dev))
+        keep = None if (a, b) == (spec.n0, spec.n1) else (spec.n0 - a, spec.n1 - a)
+        return ShardLinear(_quant_linear(part, dev), self.comm, out_signs=signs(t["sv"], n, a, b).to(dev),
+                           out_block=block, out_keep=keep,
+                           bias=None if bias is None else bias[spec.n0 - a : spec.n1 - a].to(dev))
 
     def _quant_row(self, prefix, t, spec: Row):
         n, k = fmt.layer_shape(t)
@@ -312,8 +327,9 @@ class ShardedBuilder(Builder):
             gather, in_signs = list(spec.sizes), signs(t.get("su"), k)
             index = t["perm"].long()[j0:j1] if "perm" in t else torch.arange(j0, j1)
         bias = t.get("bias") if self.plan.rank == 0 else None
+        inner = _quant_linear(quant_k_range(t, j0, j1), dev) if j1 > j0 else NoInput(n, self.dtype)
         return ShardLinear(
-            _quant_linear(quant_k_range(t, j0, j1), dev), self.comm, gather_sizes=gather,
+            inner, self.comm, gather_sizes=gather,
             in_signs=None if in_signs is None else in_signs.to(dev), in_block=kb,
             index=None if index is None else index.to(dev),
             out_signs=None if "sv" not in t else signs(t["sv"], n).to(dev), out_block=fmt.hadamard_block(n),
