@@ -35,10 +35,10 @@ def _content_text(content, i: int) -> str | None:
     return "".join(parts)
 
 
-def template_messages(req: ChatCompletionRequest) -> list[dict]:
-    """The request's messages as plain dicts for the chat template (OpenAI -> Hugging Face conventions)."""
+def template_messages(messages) -> list[dict]:
+    """Request messages as plain dicts for the chat template (OpenAI -> Hugging Face conventions)."""
     out = []
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(messages):
         role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
         msg = {**(m.model_extra or {}), "role": role, "content": _content_text(m.content, i)}
         if m.name is not None:
@@ -96,7 +96,7 @@ def build_prompt(req: ChatCompletionRequest, lm: LoadedModel, tool_dicts) -> str
     clash = _RESERVED_TEMPLATE_VARS & extra.keys()
     if clash:
         raise bad_request(f"chat_template_kwargs may not set {sorted(clash)}", "chat_template_kwargs")
-    messages = template_messages(req)
+    messages = template_messages(req.messages)
     cont = req.continue_final_message
     if cont and messages[-1]["role"] != "assistant":
         raise bad_request("continue_final_message needs an assistant message last", "continue_final_message")

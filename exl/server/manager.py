@@ -32,19 +32,27 @@ class LoadedModel:
     path: Path
     model: object
     tokenizer: object
-    cache: object
-    generator: object
-    async_generator: object
+    stack: "GeneratorStack"
     max_seq_len: int
     cache_size: int
     cache_mode: str
     tool_format: str
     chat_template: str | None = None  # override of the tokenizer's template
     draft_name: str | None = None
-    draft_model: object = None
-    draft_cache: object = None
     loaded_at: float = field(default_factory=time.time)
     jobs: set = field(default_factory=set)  # AsyncJobs in flight, cancelled on unload
+
+    @property
+    def cache(self):
+        return self.stack.cache
+
+    @property
+    def generator(self):
+        return self.stack.generator
+
+    @property
+    def async_generator(self):
+        return self.stack.async_generator
 
     @property
     def vocab_limit(self) -> int:
@@ -54,7 +62,7 @@ class LoadedModel:
     def card(self) -> dict:
         return {"id": self.name, "created": int(self.loaded_at), "loaded": True, "max_seq_len": self.max_seq_len,
                 "cache_size": self.cache_size, "cache_mode": self.cache_mode, "draft_model": self.draft_name,
-                "tool_format": self.tool_format}
+                "tool_format": self.tool_format, "generator_restarts": self.stack.restarts}
 
 
 class ModelManager:
@@ -133,6 +141,7 @@ class ModelManager:
         if requested and requested != current.name:
             raise APIError(404, f"model {requested!r} is not loaded; this server serves {current.name!r} "
                            f"(GET /v1/models)", param="model", code="model_not_found")
+        current.stack.heal()
         return current
 
     def stats(self) -> dict:
@@ -217,33 +226,26 @@ class ModelManager:
 
     def _load_sync(self, name, folder, draft_name, draft_folder, options, draft_opts) -> LoadedModel:
         import exl
-        from exl.cache.paged import PagedCache
         from exl.errors import ExlError
-        from exl.generator import AsyncGenerator, Generator
         from exl.runtime import pick_device
         from exl.tokenizer import Tokenizer
 
         cfg, dcfg = self.config.model, self.config.draft
         device = pick_device(cfg.device)
         t0 = time.perf_counter()
+        mode = options.get("cache_mode") or cfg.cache_mode
         try:
             tokenizer = Tokenizer.from_dir(folder)
             model = exl.load_model(folder, device=device, progress=False)
             max_seq_len, cache_size = self._sizes(model.config.max_position_embeddings, options)
-            mode = options.get("cache_mode") or cfg.cache_mode
-            k_bits, v_bits = cache_bits(mode)
-            cache = PagedCache(model, max_tokens=cache_size, page_size=cfg.page_size, k_bits=k_bits, v_bits=v_bits)
-            draft_model = draft_cache = None
-            if draft_folder is not None:
-                draft_model = exl.load_model(draft_folder, device=device, progress=False)
-                dk, dv = cache_bits(draft_opts.get("cache_mode") or dcfg.cache_mode)
-                draft_cache = PagedCache(draft_model, max_tokens=cache_size, page_size=cfg.page_size, k_bits=dk,
-                                         v_bits=dv)
-            generator = Generator(
-                model, cache, tokenizer, max_batch_size=options.get("max_batch_size") or cfg.max_batch_size,
-                max_chunk_size=cfg.max_chunk_size, draft_model=draft_model, draft_cache=draft_cache,
+            draft_model = exl.load_model(draft_folder, device=device, progress=False) if draft_folder else None
+            stack = GeneratorStack(
+                model, tokenizer, cache_size=cache_size, page_size=cfg.page_size, cache_mode=mode,
+                max_batch_size=options.get("max_batch_size") or cfg.max_batch_size, max_chunk_size=cfg.max_chunk_size,
+                draft_model=draft_model, draft_cache_mode=draft_opts.get("cache_mode") or dcfg.cache_mode,
                 num_draft_tokens=draft_opts.get("num_draft_tokens") or dcfg.num_draft_tokens,
                 ngram_draft=dcfg.ngram if draft_opts.get("ngram") is None else draft_opts["ngram"])
+            stack.build()
         except APIError:
             raise
         except (ExlError, FileNotFoundError, ValueError) as e:
@@ -258,8 +260,52 @@ class ModelManager:
             fmt = detect_format(source)
         log.info("loaded %s in %.1f s on %s", folder, time.perf_counter() - t0, device)
         return LoadedModel(
-            name=name, path=folder, model=model, tokenizer=tokenizer, cache=cache, generator=generator,
-            async_generator=AsyncGenerator(generator), max_seq_len=max_seq_len, cache_size=cache.max_tokens,
-            cache_mode=mode, tool_format=fmt, chat_template=template, draft_name=draft_name,
-            draft_model=draft_model, draft_cache=draft_cache)
+            name=name, path=folder, model=model, tokenizer=tokenizer, stack=stack, max_seq_len=max_seq_len,
+            cache_size=stack.cache.max_tokens, cache_mode=mode, tool_format=fmt, chat_template=template,
+            draft_name=draft_name)
 
+
+class GeneratorStack:
+    """The paged cache(s), Generator and AsyncGenerator of a loaded model; rebuilt if the worker thread dies."""
+
+    def __init__(self, model, tokenizer, *, cache_size, page_size, cache_mode, max_batch_size, max_chunk_size,
+                 draft_model=None, draft_cache_mode="fp16", num_draft_tokens=4, ngram_draft=False):
+        self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
+        self.cache_size, self.page_size, self.cache_mode = cache_size, page_size, cache_mode
+        self.max_batch_size, self.max_chunk_size = max_batch_size, max_chunk_size
+        self.draft_cache_mode, self.num_draft_tokens, self.ngram_draft = draft_cache_mode, num_draft_tokens, ngram_draft
+        self.cache = self.draft_cache = self.generator = self.async_generator = None
+        self.restarts = 0
+
+    def build(self) -> None:
+        from exl.cache.paged import PagedCache
+        from exl.generator import AsyncGenerator, Generator
+
+        self.cache = self.draft_cache = self.generator = self.async_generator = None
+        gc.collect()
+        k_bits, v_bits = cache_bits(self.cache_mode)
+        self.cache = PagedCache(self.model, max_tokens=self.cache_size, page_size=self.page_size, k_bits=k_bits,
+                                v_bits=v_bits)
+        if self.draft_model is not None:
+            dk, dv = cache_bits(self.draft_cache_mode)
+            self.draft_cache = PagedCache(self.draft_model, max_tokens=self.cache_size, page_size=self.page_size,
+                                          k_bits=dk, v_bits=dv)
+        self.generator = Generator(
+            self.model, self.cache, self.tokenizer, max_batch_size=self.max_batch_size,
+            max_chunk_size=self.max_chunk_size, draft_model=self.draft_model, draft_cache=self.draft_cache,
+            num_draft_tokens=self.num_draft_tokens, ngram_draft=self.ngram_draft)
+        self.async_generator = AsyncGenerator(self.generator)
+
+    @property
+    def failed(self) -> BaseException | None:
+        return getattr(self.async_generator, "error", None)
+
+    def heal(self) -> None:
+        """If the worker thread died, log why and start a fresh cache + generator (running requests are lost)."""
+        error = self.failed
+        if error is None:
+            return
+        self.restarts += 1
+        log.error("the generator thread failed (%s: %s); restarting it (restart #%d)", type(error).__name__, error,
+                  self.restarts)
+        self.build()

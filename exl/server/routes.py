@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
 from fastapi.security import APIKeyHeader, HTTPBearer
 
 from exl.server import auth
@@ -90,9 +91,10 @@ async def encode(req: TokenEncodeRequest, request: Request):
     else:
         from exl.tokenizer import ChatTemplateError
 
+        if not req.text:
+            raise bad_request("text: give a string or at least one message", "text")
         try:
-            chat = ChatCompletionRequest(messages=req.text)
-            prompt = tok.apply_chat_template(template_messages(chat), add_generation_prompt=req.add_generation_prompt,
+            prompt = tok.apply_chat_template(template_messages(req.text), add_generation_prompt=req.add_generation_prompt,
                                              template=lm.chat_template)
         except ChatTemplateError as e:
             raise bad_request(str(e), "text", code="chat_template_error") from None
@@ -118,23 +120,14 @@ async def health(request: Request):
     current = manager.current
     if current is None:
         return Health(status="no_model")
-    error = _generator_error(current.async_generator)
-    if error:
-        from fastapi.responses import JSONResponse
-
-        return JSONResponse(Health(status="unhealthy", model=current.name, detail=error).model_dump(),
-                            status_code=503)
-    return Health(status="ok", model=current.name)
-
-
-def _generator_error(async_generator) -> str | None:
-    error = getattr(async_generator, "error", None)
-    if error is not None:
-        return f"generator failed: {error!r}"
-    thread = getattr(async_generator, "thread", None) or getattr(async_generator, "_thread", None)
-    if thread is not None and hasattr(thread, "is_alive") and not thread.is_alive():
-        return "the generator thread has stopped"
-    return None
+    try:
+        current.stack.heal()  # a crashed generator thread is restarted here or by the next request
+    except Exception as e:  # noqa: BLE001 - reported as unhealthy
+        return JSONResponse(Health(status="unhealthy", model=current.name, detail=f"{type(e).__name__}: {e}")
+                            .model_dump(), status_code=503)
+    restarts = current.stack.restarts
+    return Health(status="ok", model=current.name,
+                  detail=f"the generator was restarted {restarts} time(s) after failures" if restarts else None)
 
 
 @user.get("/metrics", tags=["status"], summary="Prometheus metrics",

@@ -80,7 +80,7 @@ class SamplingRequest(_Request):
     top_k: int | None = Field(None, ge=-1, description="sample among the k most likely tokens (0 or -1: off)")
     min_p: float | None = Field(None, ge=0, le=1)
     typical: float | None = Field(None, ge=0, le=1, description="locally typical sampling mass (1 = off)")
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=10)
     penalty_range: int | None = Field(None, ge=-1, description="tokens the penalties look back over (0/-1: all)")
     dry_multiplier: float | None = Field(None, ge=0, le=100)
     dry_base: float | None = Field(None, ge=1, le=100)
@@ -323,6 +323,7 @@ class ModelCard(_Body):
     cache_mode: str | None = None
     draft_model: str | None = None
     tool_format: str | None = None
+    generator_restarts: int | None = None
 
 
 class ModelList(_Body):
