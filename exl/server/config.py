@@ -92,8 +92,9 @@ class DraftSection(_Section):
 class SamplingSection(_Section):
     """Sampling defaults for requests that do not set a value themselves."""
 
-    max_tokens: int | None = _opt("--default-max-tokens", "completion length when a request gives none "
-                                  "(default: up to the context limit)", ge=1)
+    max_tokens: int | None = _opt("--default-max-tokens", "completion length limit for requests that set no "
+                                  "max_tokens (0: up to the context). Each request reserves cache pages for its "
+                                  "whole length, so a bounded default lets more requests run at once", 2048, ge=0)
     temperature: float = _opt("--temperature", "default temperature (0 = greedy)", 1.0, ge=0)
     top_p: float = _opt("--top-p", "default nucleus mass", 1.0, gt=0, le=1)
     top_k: int = _opt("--top-k", "default top-k (0 = off)", 0, ge=0)

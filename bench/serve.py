@@ -1,0 +1,281 @@
+"""Serving benchmark for `exl serve` (or any OpenAI-compatible server), reporting like vLLM's
+benchmark_serving: request throughput, output tokens/s, TTFT, TPOT, ITL and end-to-end latency
+(mean / median / p99).
+
+Each request streams a /v1/completions call whose prompt is `--input-len` random token ids and which
+generates exactly `--output-len` tokens (`ignore_eos`), at most `--max-concurrency` at a time.
+Afterwards the KV-cache must be empty again (checked through /metrics), and with `--disconnect-check`
+a client that drops a stream mid-way must have its pages freed.
+
+    exl serve --model-dir models --model SmolLM2-135M-Instruct-4.0bpw --api-key K &
+    python bench/serve.py --base-url http://127.0.0.1:5000 --api-key K --num-prompts 200 \\
+        --max-concurrency 32 --disconnect-check
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from tqdm import tqdm
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    low = min(1000, vocab // 4)  # skip the special and byte tokens at the start of most vocabularies
+    return [[rng.randrange(low, vocab) for _ in range(length)] for _ in range(n)]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, headers: dict, model: str, prompt: list[int],
+                      output_len: int) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "min_tokens": output_len,
+            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    r = Result()
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url + "/v1/completions", headers=headers, json=body) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    r.error = chunk["error"].get("message", "error")
+                    return r
+                if chunk.get("usage"):
+                    r.output_tokens = chunk["usage"]["completion_tokens"]
+                    r.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    now = time.perf_counter()
+                    if r.ttft == 0.0:
+                        r.ttft = now - start
+                    else:
+                        r.itl.append(now - last)
+                    last = now
+        r.latency = time.perf_counter() - start
+        r.ok = r.output_tokens > 0
+        if not r.ok:
+            r.error = "no tokens"
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        r.error = f"{type(e).__name__}: {e}"
+    return r
+
+
+async def run_benchmark(args, model: str, headers: dict, prompts: list[list[int]]) -> tuple[list[Result], float]:
+    limits = httpx.Limits(max_connections=args.max_concurrency + 4, max_keepalive_connections=args.max_concurrency)
+    sem = asyncio.Semaphore(args.max_concurrency)
+    bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=args.quiet)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+
+        async def limited(p):
+            async with sem:
+                res = await one_request(client, args.base_url, headers, model, p, args.output_len)
+                bar.update(1)
+                return res
+
+        start = time.perf_counter()
+        tasks = []
+        for p in prompts:
+            tasks.append(asyncio.create_task(limited(p)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(random.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return results, duration
+
+
+def metrics(url: str, headers: dict) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def wait_cache_empty(url: str, headers: dict, timeout: float) -> tuple[bool, float, dict]:
+    start = time.perf_counter()
+    m = {}
+    while time.perf_counter() - start < timeout:
+        m = metrics(url, headers)
+        if m.get("exl_cache_pages_in_use", 0) == 0 and m.get("exl_num_requests_running", 0) == 0:
+            return True, time.perf_counter() - start, m
+        time.sleep(0.1)
+    return False, time.perf_counter() - start, m
+
+
+def disconnect_check(args, model: str, headers: dict, vocab: int) -> dict:
+    """Start a long streamed request, drop it after a few chunks, and time until its pages are free."""
+    prompt = random_prompts(1, args.input_len, vocab, args.seed + 1)[0]
+    body = {"model": model, "prompt": prompt, "max_tokens": 4096 if args.max_seq_len is None else
+            max(1, args.max_seq_len - args.input_len), "ignore_eos": True, "temperature": 0.0, "stream": True}
+    during = {}
+    with httpx.Client(timeout=args.timeout) as client:
+        with client.stream("POST", args.base_url + "/v1/completions", headers=headers, json=body) as resp:
+            resp.raise_for_status()
+            seen = 0
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    seen += 1
+                    if seen == 5:
+                        during = metrics(args.base_url, headers)  # still streaming
+                        break  # leaving the iterator closes the connection: the client is gone
+    freed, after_s, m = wait_cache_empty(args.base_url, headers, 30)
+    return {"pages_in_use_while_streaming": during.get("exl_cache_pages_in_use"),
+            "freed": freed, "seconds_until_free": round(after_s, 3),
+            "pages_in_use_after": m.get("exl_cache_pages_in_use"),
+            "cancelled_total": m.get('exl_requests_total{finish_reason="cancelled"}', 0.0)}
+
+
+def summarize(results: list[Result], duration: float) -> dict:
+    good = [r for r in results if r.ok]
+    ttft = [r.ttft * 1000 for r in good]
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) * 1000 for r in good if r.output_tokens > 1]
+    itl = [x * 1000 for r in good for x in r.itl]
+    e2el = [r.latency * 1000 for r in good]
+    out_tokens = sum(r.output_tokens for r in good)
+    in_tokens = sum(r.prompt_tokens for r in good)
+    s = {"successful_requests": len(good), "failed_requests": len(results) - len(good),
+         "duration_s": duration, "total_input_tokens": in_tokens, "total_generated_tokens": out_tokens,
+         "request_throughput": len(good) / duration, "output_throughput": out_tokens / duration,
+         "total_token_throughput": (in_tokens + out_tokens) / duration}
+    for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl), ("e2el_ms", e2el)):
+        s[f"mean_{name}"] = statistics.fmean(values) if values else 0.0
+        s[f"median_{name}"] = statistics.median(values) if values else 0.0
+        s[f"p99_{name}"] = percentile(values, 99)
+    errors = sorted({r.error for r in results if not r.ok})
+    if errors:
+        s["errors"] = errors[:10]
+    return s
+
+
+def print_report(s: dict, file=sys.stdout) -> None:
+    line = lambda k, v: print(f"{k:<40}{v:>12}", file=file)  # noqa: E731
+    print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=52, c="="), file=file)
+    line("Successful requests:", s["successful_requests"])
+    line("Failed requests:", s["failed_requests"])
+    line("Benchmark duration (s):", f"{s['duration_s']:.2f}")
+    line("Total input tokens:", s["total_input_tokens"])
+    line("Total generated tokens:", s["total_generated_tokens"])
+    line("Request throughput (req/s):", f"{s['request_throughput']:.2f}")
+    line("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}")
+    line("Total Token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")
+    for title, key in (("Time to First Token", "ttft_ms"), ("Time per Output Token (excl. 1st token)", "tpot_ms"),
+                       ("Inter-token Latency", "itl_ms"), ("End-to-end Latency", "e2el_ms")):
+        print("{s:{c}^{n}}".format(s=title, n=52, c="-"), file=file)
+        short = key.split("_")[0].upper()
+        line(f"Mean {short} (ms):", f"{s['mean_' + key]:.2f}")
+        line(f"Median {short} (ms):", f"{s['median_' + key]:.2f}")
+        line(f"P99 {short} (ms):", f"{s['p99_' + key]:.2f}")
+    print("=" * 52, file=file)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:5000", help="server address (without /v1)")
+    p.add_argument("--api-key", default=None, help="the server's API key")
+    p.add_argument("--model", default=None, help="model name (default: the loaded one, from GET /v1/model)")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--max-concurrency", type=int, default=32)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
+    p.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900, help="per-request timeout (s)")
+    p.add_argument("--disconnect-check", action="store_true",
+                   help="also check that a client dropping a stream frees its cache pages (via /metrics)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="for --disconnect-check: the server's context")
+    p.add_argument("--result-json", default=None, help="write the results here")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        card = httpx.get(args.base_url + "/v1/model", headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        print(f"bench/serve.py: cannot reach {args.base_url} ({e}); start `exl serve` first", file=sys.stderr)
+        return 2
+    if card.status_code != 200:
+        print(f"bench/serve.py: GET {args.base_url}/v1/model failed: {card.status_code} {card.text[:200]}",
+              file=sys.stderr)
+        return 2
+    card = card.json()
+    model = args.model or card["id"]
+    if args.max_seq_len is None:
+        args.max_seq_len = card.get("max_seq_len")
+    vocab = _vocab_size(args.base_url, headers)
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    if not args.quiet:
+        print(f"{args.num_prompts} requests, {args.input_len} prompt + {args.output_len} generated tokens each, "
+              f"concurrency {args.max_concurrency}, model {model}", file=sys.stderr)
+    results, duration = asyncio.run(run_benchmark(args, model, headers, prompts))
+    summary = summarize(results, duration)
+    summary.update(model=model, num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
+                   input_len=args.input_len, output_len=args.output_len)
+    freed, secs, m = wait_cache_empty(args.base_url, headers, 30)
+    summary["cache_empty_after_run"] = freed
+    if args.disconnect_check:
+        summary["disconnect"] = disconnect_check(args, model, headers, vocab)
+    print_report(summary)
+    if args.disconnect_check:
+        d = summary["disconnect"]
+        print(f"client disconnect: {d['pages_in_use_while_streaming']:.0f} pages in use while streaming, "
+              f"{'freed' if d['freed'] else 'NOT freed'} {d['seconds_until_free']} s after the client left")
+    print(f"KV cache empty after the run: {freed}")
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(summary, f, indent=2)
+    ok = summary["failed_requests"] == 0 and freed and (not args.disconnect_check or summary["disconnect"]["freed"])
+    return 0 if ok else 1
+
+
+def _vocab_size(url: str, headers: dict) -> int:
+    """The largest valid token id + 1, found by asking the server to decode (binary search on a 400 answer)."""
+    lo, hi = 1, 1 << 20
+    while lo < hi:
+        mid = (lo + hi) // 2
+        r = httpx.post(url + "/v1/token/decode", headers=headers, json={"tokens": [mid]}, timeout=30)
+        if r.status_code == 200:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+if __name__ == "__main__":
+    sys.exit(main())
