@@ -253,3 +253,19 @@ def test_cli_prints_sample_config(capsys):
 
     assert main(["serve", "--print-sample-config"]) == 0
     assert capsys.readouterr().out.strip() == sample_config().strip()
+
+
+def test_body_limit_applies_to_chunked_uploads_too():
+    from fastapi.testclient import TestClient
+
+    from exl.server.app import create_app
+    from exl.server.auth import Keys
+
+    app = create_app(ServerConfig(network={"max_request_bytes": 100_000}), Keys("u", "a"))
+    chunks = (b"x" * 10_000 for _ in range(20))  # no Content-Length: the limit is counted while reading
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", content=chunks, headers={"Authorization": "Bearer u"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        r = client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer u"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"  # no model loaded
+        assert client.get("/health").json()["status"] == "no_model"

@@ -64,7 +64,7 @@ class BodyLimit:
                 await too_big.response()(scope, receive, send)
 
 
-class _TooBig(Exception):
+class _TooBig(BaseException):  # not Exception: FastAPI would turn it into "error parsing the body"
     pass
 
 
