@@ -29,6 +29,7 @@ struct ActQ8 {
   const int8_t* q;     // [M, K]
   const float* d;      // [M, K/32]
   const float* gsum;   // [M, n_groups]: sum over the group's blocks j of d[m, j] * sum(q[m, block j])
+  const float* bsum;   // [M, K/32 + 8]: sum(q[m, block j]) as float, zero-padded by 8 blocks per row
   int64_t M;
 };
 

@@ -125,7 +125,7 @@ class QuantLinearCPU {
 
     thread_local std::vector<uint8_t> buf;
     size_t used = 0;
-    const size_t need = 64 * 8 + size_t(M) * K * sizeof(float) * 2 + size_t(M) * (K / kBlock) * 8 +
+    const size_t need = 64 * 8 + size_t(M) * K * sizeof(float) * 2 + size_t(M) * (K / kBlock + 8) * 12 +
                         size_t(M) * layer_.n_groups * 4;
     if (buf.size() < need) buf.resize(need);
 
@@ -150,10 +150,12 @@ class QuantLinearCPU {
       float* d = scratch<float>(buf, used, size_t(M) * nb);
       int32_t* bsum = scratch<int32_t>(buf, used, size_t(M) * nb);
       float* gsum = scratch<float>(buf, used, size_t(M) * layer_.n_groups);
+      float* bsumf = scratch<float>(buf, used, size_t(M) * (nb + 8));
       const void* pp = perm_.defined() ? perm_.data_ptr() : nullptr;
       const int pb = perm_.defined() ? int(perm_.element_size()) : 0;
       for (int64_t m = 0; m < M; ++m) {
         kernels_->quantize_q8(u + m * K, K, pp, pb, q + m * K, d + m * nb, bsum + m * nb);
+        for (int64_t b = 0; b < nb + 8; ++b) bsumf[m * (nb + 8) + b] = b < nb ? float(bsum[m * nb + b]) : 0.0f;
         float* gs = gsum + m * layer_.n_groups;
         for (int s = 0; s < layer_.segs.count; ++s) {
           const Segment& sg = layer_.segs.seg[s];
@@ -168,7 +170,7 @@ class QuantLinearCPU {
           }
         }
       }
-      const ActQ8 a{q, d, gsum, M};
+      const ActQ8 a{q, d, gsum, bsumf, M};
       at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { kernels_->gemv_q8(layer_, a, yp, N, n0, n1); });
     } else {
       // 2. u' = u[perm]
