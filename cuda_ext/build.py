@@ -21,6 +21,9 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 CPU_SOURCES = ["cpu_ops.cpp", "cpu_scalar.cpp", "cpu_avx2.cpp", "cpu_avxvnni.cpp"]
 CUDA_SOURCES = ["cuda_ops.cpp", "cuda_kernels.cu"]
 CXX_FLAGS = ["-O3", "-std=c++17", "-fno-math-errno", "-Wno-unused-function"]
+# at::parallel_for is a header template: without -fopenmp it runs serially inside the extension.
+# Linking libgomp.so.1 reuses the copy torch has already loaded (same soname), so one thread pool.
+OPENMP_FLAGS = ["-fopenmp"] if sys.platform.startswith("linux") else []
 NVCC_FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
 CUDA_ARCHS = ["8.0", "8.6", "8.9", "9.0"]
 
@@ -86,7 +89,7 @@ def _explain(log: str) -> str:
 def _jit(name: str, sources: list[str], cuda: bool, verbose: bool):
     import torch.utils.cpp_extension as ext
 
-    flags = CXX_FLAGS + (NVCC_FLAGS if cuda else [])
+    flags = CXX_FLAGS + OPENMP_FLAGS + (NVCC_FLAGS if cuda else [])
     build_dir = cache_root() / f"{name}_{_digest(sources, flags)}"
     so = build_dir / f"{name}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
     alt = build_dir / f"{name}.so"
@@ -102,7 +105,8 @@ def _jit(name: str, sources: list[str], cuda: bool, verbose: bool):
     kwargs = dict(
         name=name,
         sources=_sources(sources),
-        extra_cflags=CXX_FLAGS,
+        extra_cflags=CXX_FLAGS + OPENMP_FLAGS,
+        extra_ldflags=OPENMP_FLAGS,
         extra_include_paths=[str(CSRC)],
         build_directory=str(build_dir),
         verbose=verbose,
@@ -147,7 +151,15 @@ def setup_extensions(with_cuda: bool | None = None) -> list:
     root = Path(__file__).resolve().parent.parent
     rel = lambda names: [str((CSRC / n).relative_to(root)) for n in names]  # noqa: E731
     inc = [str(CSRC.relative_to(root))]
-    exts = [CppExtension("cuda_ext._exl_cpu", rel(CPU_SOURCES), include_dirs=inc, extra_compile_args=CXX_FLAGS)]
+    exts = [
+        CppExtension(
+            "cuda_ext._exl_cpu",
+            rel(CPU_SOURCES),
+            include_dirs=inc,
+            extra_compile_args=CXX_FLAGS + OPENMP_FLAGS,
+            extra_link_args=OPENMP_FLAGS,
+        )
+    ]
     if with_cuda is None:
         with_cuda = CUDA_HOME is not None
     if with_cuda:
@@ -156,7 +168,8 @@ def setup_extensions(with_cuda: bool | None = None) -> list:
                 "cuda_ext._exl_cuda",
                 rel(CUDA_SOURCES),
                 include_dirs=inc,
-                extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
+                extra_compile_args={"cxx": CXX_FLAGS + OPENMP_FLAGS, "nvcc": NVCC_FLAGS},
+                extra_link_args=OPENMP_FLAGS,
             )
         )
     return exts
