@@ -3,8 +3,8 @@ or `python -m pytest -m gpu tests/gpu`.
 
 Bounds: fp16 activations and outputs carry relative rounding 2^-11; the GEMV accumulates in fp32
 (same bound as the CPU fp32 path plus the fp16 rounding of input and output); the GEMM path also
-rounds dequantized weights to fp16 (2^-11 relative each), so its bound is 2^-10 * c, with c the
-sum of absolute products (see tests/test_kernels.py).
+rounds dequantized weights to fp16 (2^-11 relative each) and cuBLAS may reduce in fp16, so its
+bound is 2^-8 * c, with c the sum of absolute products (see tests/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def check(ext, t, m, path, seed=1):
     layer = ext.QuantLinearCUDA(*[t.get(n) for n in ("qweight", "qscale", "qmeta", "perm", "su", "sv", "bias")])
     got = layer.forward(x.cuda(), path).double().cpu()
     want, c = abs_bound(x.float(), {kk: v.cpu() for kk, v in t.items()})
-    rel = 2.0**-10 if path == "gemm" else 2.0**-20 * (math.sqrt(k) + 8)
+    # GEMM: fp16 activations and weights, and cuBLAS may reduce partial sums in fp16
+    rel = 2.0**-8 if path == "gemm" else 2.0**-20 * (math.sqrt(k) + 8)
     bound = rel * c + 2.0**-11 * want.abs() + 1e-6
     err = (got - want).abs()
     assert bool((err <= bound).all()), f"{path}: worst err/bound {(err / bound).max():.3g}"
@@ -179,7 +180,8 @@ def test_kv_quantize_roundtrip(ext, bits, d):
     assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01  # ties may round either way
     rot = ext.kv_dequantize(packed, scales, bits).float().cpu()  # rotated domain
     step = scales.float().cpu().repeat_interleave(32, -1)
-    assert bool(((rot - y).abs() <= 0.5 * step * 1.01 + 1e-3).all())
+    # half a step, plus the fp16 rounding of scale and output
+    assert bool(((rot - y).abs() <= 0.5 * step * 1.01 + 2.0**-9 * y.abs() + 1e-4).all())
     back = ext.kv_dequantize(packed, scales, bits, True, signs.cuda()).float().cpu()
     assert (back - x.float()).norm() / x.float().norm() < {4: 0.15, 6: 0.04, 8: 0.01}[bits]
 
