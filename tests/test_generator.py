@@ -380,3 +380,49 @@ def test_smollm2_generate_matches_reference_and_ngram_speculation(smol, tok):
     spec = Generator(smol, PagedCache(smol, max_tokens=1024, page_size=64), tok, ngram_draft=True, num_draft_tokens=5)
     text2, ev2 = spec.generate(prompt, max_new_tokens=24, sampler=GREEDY, ignore_eos=True, return_events=True)
     assert ev2.job.generated == want and ev2.accepted_draft_tokens > 0
+
+
+# -- quantized cache through the generator ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_cache_batching_prefix_reuse_and_speculation_agree(small, bits):
+    """With a quantized cache the same invariants hold: batched == alone, a reused prefix (whole pages and a
+    copied partial page) == computed cold, speculative greedy == plain greedy."""
+    def make(**kw):
+        return Generator(small, PagedCache(small, num_pages=64, page_size=8, k_bits=bits, v_bits=bits), None, **kw)
+
+    ps = prompts([21, 37, 6], seed=12)
+    alone = []
+    for p in ps:
+        j = Job(p, max_new_tokens=10, sampler=GREEDY)
+        run_all(make(), [j])
+        alone.append(j.generated)
+    gen = make(max_chunk_size=16)
+    jobs = [Job(p, max_new_tokens=10, sampler=GREEDY) for p in ps]
+    run_all(gen, jobs)
+    assert [j.generated for j in jobs] == alone
+    again = Job(ps[1], max_new_tokens=10, sampler=GREEDY)  # 36 of 37 tokens reused: 4 pages + 4 copied slots
+    events = run_all(gen, [again])
+    assert events[again][-1].cached_tokens == 36 and again.generated == alone[1]
+    rep = ps[0] + ps[0][:15] + ps[0]
+    plain = Job(rep, max_new_tokens=20, sampler=GREEDY)
+    run_all(make(), [plain])
+    spec = Job(rep, max_new_tokens=20, sampler=GREEDY)
+    sgen = make(ngram_draft=True)
+    run_all(sgen, [spec])
+    assert spec.generated == plain.generated and sgen.stats["drafted"] > 0
+    assert gen.cache.pages_in_use == 0 and not gen.cache._blocked or all(
+        int(st.stage_of.max()) < 0 for st in gen.cache._blocked)
+
+
+def test_banned_string_rewind_with_a_4bit_cache(wide, tok):
+    cat = tok.encode(" cat", add_bos=False)
+    cache = PagedCache(wide, num_pages=16, page_size=16, k_bits=4, v_bits=4)
+    gen = Generator(wide, cache, tok)
+    s = SamplerSettings.greedy(logit_bias={cat[0]: 50.0})
+    prefix = tok.encode("x" * 40, add_bos=False)  # the rewind cuts into a block that was already rounded
+    job = Job(prefix, max_new_tokens=20, sampler=s, constraint=RegexConstraint(tok, " (cat|dog) food"),
+              banned_strings=[" cat"])
+    run_all(gen, [job])
+    assert job.text == " dog food" and job._run.rewinds >= 1 and cache.pages_in_use == 0

@@ -226,3 +226,29 @@ def test_partial_page_is_copied_from_a_known_page(models):
 
 def a_pages(cache, prompt):
     return cache.match(prompt)[0]
+
+
+def test_4bit_keys_rounded_per_block_and_reopened_on_truncate(models):
+    """4-bit keys wait in float staging until their block is committed; truncating into a rounded block
+    brings it back to staging; released pages leave no staging behind."""
+    model = models["llama"]
+    cache = PagedCache(model, num_pages=8, page_size=8, k_bits=4, v_bits=16)
+    st = cache.k
+    assert cache.block == 8 and not st.rotated
+    ids = torch.randint(0, BASE["vocab_size"], (1, 30), generator=torch.Generator().manual_seed(7))
+    table = cache.open(ids[0].tolist(), 30)
+    cache.extend(table, 20)
+    model(ids[:, :20], ctx=PagedContext(cache, [(table, 20)]))
+    assert sum(st.is_open(b) for b in range(st.stage_of.numel())) == 3  # blocks of positions 0-7, 8-15, 16-19
+    cache.commit(table, ids[0, :20].tolist(), share=False)
+    assert [st.is_open(table.slot(p) // 8) for p in (0, 8, 16)] == [False, False, True]
+    cache.truncate(table, 13)  # cuts into the rounded block 8-15: reopened from its codes
+    assert st.is_open(table.slot(8) // 8)
+    cache.extend(table, 17)
+    got = model(ids[:, 13:], ctx=PagedContext(cache, [(table, 17)]))
+    cache.commit(table, ids[0, 13:].tolist(), share=False)
+    want = model(ids)[:, 13:]
+    assert ((got - want).abs().max() / want.abs().max()).item() < 0.4
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.6
+    cache.close(table, share=False)
+    assert int(st.stage_of.max()) < 0 and cache.pages_in_use == 0

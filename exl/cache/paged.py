@@ -28,6 +28,7 @@ of pages and nothing it holds is ever evicted. Pages are still allocated one at 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 
 import numpy as np
@@ -115,8 +116,10 @@ class PagedCache:
         slots = self.num_pages * self.page_size
         self.rotation = rotation_matrix(c.head_dim).to(self.device)
         args = (c.num_layers, c.num_kv_heads, slots, c.head_dim, model.dtype, self.device, self.rotation)
-        self.k = make_store(k_bits, *args, what="k_bits")
-        self.v = make_store(v_bits, *args, what="v_bits")
+        self.block = math.gcd(self.page_size, 32)  # tokens per block of a per-channel key store
+        self.k = make_store(k_bits, *args, what="k_bits", block=self.block)
+        self.v = make_store(v_bits, *args, what="v_bits", block=self.block)
+        self._blocked = [st for st in (self.k, self.v) if hasattr(st, "open_blocks")]
         self.rotation_c = self.rotation.to(self.dtype)
 
         self._refs = [0] * self.num_pages
@@ -243,13 +246,28 @@ class PagedCache:
             table.pages.append(self._alloc(table.pages[-1] if table.pages else None))
             table.reserved -= 1
             self.reserved -= 1
+        if self._blocked:
+            blocks = self._blocks(table, table.length, table.length + n)
+            for st in self._blocked:
+                st.open_blocks(blocks)
+
+    def _blocks(self, table: PageTable, lo: int, hi: int) -> list[int]:
+        """Store blocks holding positions [lo, hi) of a sequence."""
+        b = self.block
+        return [table.slot(p) // b for p in range(lo // b * b, hi, b)]
 
     def commit(self, table: PageTable, token_ids, share: bool = True) -> None:
         """Tokens whose K/V were just written after table.length become part of the sequence.
 
         share: publish newly filled pages for prefix reuse now (prompt pages); otherwise at close.
         """
+        old = table.length
         table.token_ids.extend(int(t) for t in token_ids)
+        if self._blocked:  # blocks now wholly committed are final: round them
+            b = self.block
+            blocks = self._blocks(table, old // b * b, table.length // b * b)
+            for st in self._blocked:
+                st.close_blocks(blocks)
         if share:
             self._hash_full_pages(table)
 
@@ -261,12 +279,16 @@ class PagedCache:
         if length < len(table.hashes) * self.page_size:
             raise ValueError(f"cannot truncate into published page {length // self.page_size}")
         del table.token_ids[length:]
+        if self._blocked and length % self.block:  # reopen the block we cut into
+            for st in self._blocked:
+                st.open_blocks(self._blocks(table, length, length + 1), restore=True)
         self.trim(table, length)
 
     def trim(self, table: PageTable, tokens: int | None = None) -> None:
         """Release pages beyond what `tokens` (default: table.length) tokens need."""
         keep = self.pages_for(table.length if tokens is None else tokens)
         while len(table.pages) > keep:
+            self._discard_page_blocks(table.pages[-1])
             self._unref(table.pages.pop())
             table.reserved += 1
             self.reserved += 1
@@ -283,6 +305,12 @@ class PagedCache:
             if last is not None and self._refs[last] == 1 and last not in self._page_tokens:
                 prev = table.hashes[full - 1] if full else b""
                 self._know(last, prev, table.token_ids[full * self.page_size :])
+                if self._blocked and table.length % self.block:  # round the partly filled block as it is
+                    for st in self._blocked:
+                        st.close_blocks(self._blocks(table, table.length, table.length + 1),
+                                        valid=table.length % self.block)
+        for p in table.pages:
+            self._discard_page_blocks(p)
         for h in [h for h, t in self._pending.items() if t is table]:
             del self._pending[h]
         for p in table.pages:
@@ -319,6 +347,13 @@ class PagedCache:
         """Record a page's content (it follows the prefix hashed `prev`) for partial reuse."""
         self._page_tokens[p] = (prev, tuple(tokens))
         self._children.setdefault(prev, {})[p] = None
+
+    def _discard_page_blocks(self, p: int) -> None:
+        """Drop staging rows of a page's unfinished blocks (when its sequence lets it go)."""
+        if self._blocked:
+            per = self.page_size // self.block
+            for st in self._blocked:
+                st.discard_blocks(range(p * per, (p + 1) * per))
 
     def _ref(self, p: int) -> None:
         if self._refs[p] == 0:

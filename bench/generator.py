@@ -1,0 +1,246 @@
+"""Benchmark the dynamic generator on one model folder (dense or exl-quantized).
+
+    python bench/generator.py -m MODEL_DIR [--json] [--draft DRAFT_DIR] [--threads N] [--quick]
+
+Measures, on this machine:
+  batch16_speedup      aggregate decode tokens/s of 16 concurrent jobs / a single job's decode tokens/s
+  prefix_ttft_ratio    time to first token of a job whose 1,500-token prefix is cached / the same job cold
+  ngram_speedup        n-gram speculative decode tokens/s / plain decode tokens/s on an input-copying task
+  spec_greedy_identical  speculative greedy output == plain greedy output, token for token
+  q4_cache_ppl_ratio   perplexity with a Q4 KV cache / with an FP16 KV cache (Python docs text)
+  cache_memory_ok      pages in use never exceeded tokens held + one page per sequence
+plus perplexity for every cache mode and (with --draft) draft-model acceptance and speed-up.
+With --json the last line printed is one JSON object with these keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import exl  # noqa: E402
+from exl.cache.paged import PagedCache, PagedContext  # noqa: E402
+from exl.generator import Generator, Job, SamplerSettings  # noqa: E402
+from exl.tokenizer import Tokenizer  # noqa: E402
+
+GREEDY = SamplerSettings.greedy()
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def doc_text() -> str:
+    """English prose with code: Python's pydoc topics (shipped with CPython)."""
+    try:
+        from calibration.evaltext import eval_text
+
+        return eval_text()
+    except ImportError:
+        from pydoc_data.topics import topics
+
+        return "\n\n".join(topics[k].strip() for k in sorted(topics))
+
+
+def decode_rate(gen: Generator, prompts: list[list[int]], new_tokens: int) -> float:
+    """Aggregate tokens/s while every job decodes (prefill excluded): all jobs start, then the clock runs."""
+    jobs = [Job(p, max_new_tokens=new_tokens, sampler=GREEDY, ignore_eos=True) for p in prompts]
+    gen.enqueue(jobs)
+    while any(j.status in ("waiting", "prefill") for j in jobs):
+        gen.iterate()
+    start_tokens = sum(len(j.generated) for j in jobs)
+    t0 = time.perf_counter()
+    while any(j.status != "done" for j in jobs):
+        gen.iterate()
+    dt = time.perf_counter() - t0
+    return (sum(len(j.generated) for j in jobs) - start_tokens) / dt
+
+
+def memory_check(gen: Generator, prompts: list[list[int]], new_tokens: int) -> float:
+    """Run jobs to the end, checking after every step that pages in use <= tokens held + one page per
+    sequence. Returns the worst (pages in use * page size) / (tokens held + page size * sequences)."""
+    cache = gen.cache
+    jobs = [Job(p, max_new_tokens=new_tokens, sampler=GREEDY, ignore_eos=True) for p in prompts]
+    gen.enqueue(jobs)
+    worst = 0.0
+    while gen.has_work():
+        gen.iterate()
+        tables = [j._run.table for j in gen.running]
+        if not tables:
+            continue
+        held = {}  # page -> tokens it holds (shared pages counted once)
+        for t in tables:
+            for i, p in enumerate(t.pages):
+                held[p] = max(held.get(p, 0), max(0, min(cache.page_size, t.length - i * cache.page_size)))
+        bound = sum(held.values()) + cache.page_size * len(tables)
+        worst = max(worst, cache.pages_in_use * cache.page_size / bound)
+    return worst
+
+
+def time_to_first_token(gen: Generator, ids: list[int]) -> tuple[float, int]:
+    job = Job(ids, max_new_tokens=1, sampler=GREEDY)
+    gen.enqueue(job)
+    final = None
+    while final is None:
+        for e in gen.iterate():
+            if e.job is job and e.eos:
+                final = e
+    return final.time_to_first_token, final.cached_tokens
+
+
+def spec_run(gen: Generator, ids: list[int], new_tokens: int) -> tuple[list[int], float, dict]:
+    job = Job(ids, max_new_tokens=new_tokens, sampler=GREEDY, ignore_eos=True)
+    gen.enqueue(job)
+    while job.status in ("waiting", "prefill"):
+        gen.iterate()
+    start = len(job.generated)
+    t0 = time.perf_counter()
+    while job.status != "done":
+        gen.iterate()
+    return job.generated, (len(job.generated) - start) / (time.perf_counter() - t0), dict(gen.stats)
+
+
+@torch.inference_mode()
+def cache_perplexity(model, tokens: list[int], k_bits, v_bits, ctx: int, windows: int, chunk: int) -> float:
+    """Perplexity over `windows` windows of `ctx` tokens, each run through a paged cache in chunks: every
+    query attends to keys and values as stored (and read back) in the cache mode."""
+    cache = PagedCache(model, max_tokens=ctx, page_size=min(256, ctx), k_bits=k_bits, v_bits=v_bits)
+    nll, count = 0.0, 0
+    for w in range(windows):
+        ids = tokens[w * ctx : (w + 1) * ctx]
+        table = cache.open(ids, ctx, announce=False)
+        for a in range(0, ctx, chunk):
+            part = ids[a : a + chunk]
+            cache.extend(table, len(part))
+            logits = model(torch.tensor([part]), ctx=PagedContext(cache, [(table, len(part))]))[0]
+            cache.commit(table, part, share=False)
+            logp = torch.log_softmax(logits.float(), -1)
+            targets = ids[a + 1 : a + 1 + len(part)]
+            nll -= logp[torch.arange(len(targets)), torch.tensor(targets)].sum().item()
+            count += len(targets)
+        cache.close(table, share=False)
+    return math.exp(nll / count)
+
+
+def copy_task_prompt(tok: Tokenizer, text: str) -> list[int]:
+    msg = ("Correct the spelling in the following text and return the whole text, unchanged otherwise:\n\n"
+           + text.replace(" the ", " teh ").replace(" and ", " adn "))
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": msg}]))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", required=True, help="model folder (Hugging Face or exl-quantized)")
+    ap.add_argument("--draft", help="draft model folder for draft-model speculative decoding")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--page-size", type=int, default=256)
+    ap.add_argument("--quick", action="store_true", help="fewer tokens and windows (a smoke run)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    q = args.quick
+    model = exl.load_model(args.model, progress=False)
+    tok = Tokenizer.from_dir(args.model)
+    text = doc_text()
+    doc = tok.encode(text, add_bos=False)
+    g = torch.Generator().manual_seed(0)
+    res: dict = {"model": str(args.model), "threads": torch.get_num_threads(), "page_size": args.page_size}
+
+    def new_gen(**kw):
+        cache = PagedCache(model, max_tokens=kw.pop("max_tokens", 16384), page_size=args.page_size)
+        return Generator(model, cache, tok, **kw)
+
+    # -- batching ------------------------------------------------------------------------------------------------
+    n_new = 16 if q else 48
+    starts = torch.randint(0, len(doc) - 200, (16,), generator=g).tolist()
+    prompts = [doc[s : s + 64] for s in starts]
+    gen = new_gen(max_batch_size=16)
+    decode_rate(gen, prompts[:1], 4)  # warm-up
+    single = statistics.median(decode_rate(gen, prompts[i : i + 1], n_new) for i in range(3))
+    batch = decode_rate(gen, prompts, n_new)
+    res.update(single_decode_tps=round(single, 2), batch16_decode_tps=round(batch, 2),
+               batch16_speedup=round(batch / single, 2))
+    log(f"decode: 1 job {single:.1f} tok/s, 16 jobs {batch:.1f} tok/s -> x{batch / single:.2f}")
+    worst = memory_check(new_gen(max_batch_size=16, max_tokens=8192), [doc[s : s + 40 + 13 * i] for i, s in
+                                                                         enumerate(starts)], 24 if q else 80)
+    res.update(cache_memory_ratio=round(worst, 3), cache_memory_ok=worst <= 1.0)
+    log(f"cache memory: worst in-use / (held + one page per sequence) = {worst:.3f}")
+
+    # -- prefix reuse ----------------------------------------------------------------------------------------------
+    prefix = doc[5000:6500]
+    question = tok.encode("\n\nQuestion: what is this text about? Answer:", add_bos=False)
+    gen = new_gen(max_batch_size=4)
+    cold = []
+    for i in range(1 if q else 2):
+        gen.cache.clear()
+        t, cached = time_to_first_token(gen, prefix + question)
+        assert cached == 0
+        cold.append(t)
+    warm = []
+    for i in range(3):
+        t, cached = time_to_first_token(gen, prefix + question)  # the prefix (and more) is now cached
+        warm.append(t)
+    other_q = tok.encode("\n\nQuestion: who would read this? Answer:", add_bos=False)
+    t_other, cached_other = time_to_first_token(gen, prefix + other_q)
+    res.update(ttft_cold_s=round(min(cold), 4), ttft_cached_s=round(statistics.median(warm), 4),
+               prefix_ttft_ratio=round(statistics.median(warm) / min(cold), 4),
+               ttft_other_question_s=round(t_other, 4), other_question_cached_tokens=cached_other)
+    log(f"TTFT: cold {min(cold) * 1e3:.0f} ms, prefix cached {statistics.median(warm) * 1e3:.0f} ms "
+        f"(ratio {res['prefix_ttft_ratio']:.3f}); new question after the same prefix {t_other * 1e3:.0f} ms "
+        f"({cached_other} tokens reused)")
+
+    # -- speculative decoding --------------------------------------------------------------------------------------
+    para = text[text.index("The \"if\" statement"):][:900] if "The \"if\" statement" in text else text[:900]
+    ids = copy_task_prompt(tok, para)
+    n_spec = 48 if q else 160
+    plain_ids, plain_tps, _ = spec_run(new_gen(), ids, n_spec)
+    ngen = new_gen(ngram_draft=True, num_draft_tokens=6)
+    ngram_ids, ngram_tps, st = spec_run(ngen, ids, n_spec)
+    identical = ngram_ids == plain_ids
+    res.update(plain_decode_tps=round(plain_tps, 2), ngram_decode_tps=round(ngram_tps, 2),
+               ngram_speedup=round(ngram_tps / plain_tps, 2),
+               ngram_acceptance=round(st["accepted"] / max(1, st["drafted"]), 3))
+    log(f"n-gram speculation: {plain_tps:.1f} -> {ngram_tps:.1f} tok/s (x{ngram_tps / plain_tps:.2f}), "
+        f"acceptance {res['ngram_acceptance']:.2f}, identical greedy output: {identical}")
+    if args.draft:
+        draft = exl.load_model(args.draft, progress=False)
+        dgen = new_gen(draft_model=draft, num_draft_tokens=4)
+        draft_ids, draft_tps, st = spec_run(dgen, ids, n_spec)
+        identical = identical and draft_ids == plain_ids
+        res.update(draft_decode_tps=round(draft_tps, 2), draft_speedup=round(draft_tps / plain_tps, 2),
+                   draft_acceptance=round(st["accepted"] / max(1, st["drafted"]), 3),
+                   draft_identical=draft_ids == plain_ids)
+        log(f"draft-model speculation: {plain_tps:.1f} -> {draft_tps:.1f} tok/s (x{draft_tps / plain_tps:.2f}), "
+            f"acceptance {res['draft_acceptance']:.2f}, identical: {draft_ids == plain_ids}")
+    res["spec_greedy_identical"] = identical
+
+    # -- quantized cache perplexity -------------------------------------------------------------------------------
+    ctx, windows = (256, 2) if q else (512, 8)
+    modes = {"FP32": (32, 32), "FP16": (16, 16), "Q8": (8, 8), "Q6": (6, 6), "Q4": (4, 4), "K8V4": (8, 4)}
+    ppl = {}
+    for name, (kb, vb) in modes.items():
+        ppl[name] = cache_perplexity(model, doc, kb, vb, ctx, windows, chunk=128)
+        log(f"cache {name:5s} ppl {ppl[name]:.4f}")
+    res["cache_ppl"] = {k: round(v, 4) for k, v in ppl.items()}
+    res["q4_cache_ppl_ratio"] = round(ppl["Q4"] / ppl["FP16"], 4)
+    log(f"Q4 / FP16 cache perplexity: {res['q4_cache_ppl_ratio']:.4f}")
+    if args.json:
+        print(json.dumps(res))
+    else:
+        for k, v in res.items():
+            print(f"{k:32s} {v}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
