@@ -7,9 +7,9 @@ See docs/parallel.md.
 """
 
 from exl.parallel.context import register_context
-from exl.parallel.launch import add_parallel_arguments, load_parallel, parse_gpu_split
+from exl.parallel.launch import add_parallel_arguments, close_all, load_parallel, parse_gpu_split
 from exl.parallel.model import ParallelModel
 from exl.parallel.plan import ParallelError
 
-__all__ = ["ParallelError", "ParallelModel", "add_parallel_arguments", "load_parallel", "parse_gpu_split",
-           "register_context"]
+__all__ = ["ParallelError", "ParallelModel", "add_parallel_arguments", "close_all", "load_parallel",
+           "parse_gpu_split", "register_context"]

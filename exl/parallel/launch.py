@@ -268,6 +268,9 @@ def load_parallel(path: str | Path, tp: int | None = None, gpu_split: list[float
     """
     if isinstance(gpu_split, str):
         gpu_split = parse_gpu_split(gpu_split)
+    if any(not m.closed for m in _OPEN):
+        raise ParallelError("a parallel model is already loaded in this process: close it first (model.close() "
+                            "or exl.parallel.close_all())")
     env = _env_rank()
     if env is None:
         world = tp if tp and tp > 1 else len(gpu_split or [])
@@ -330,6 +333,16 @@ def load_parallel(path: str | Path, tp: int | None = None, gpu_split: list[float
     return _finish(ParallelModel(runner, launcher))
 
 
+_OPEN: list[ParallelModel] = []
+
+
 def _finish(model: ParallelModel) -> ParallelModel:
+    _OPEN.append(model)
     atexit.register(model.close)
     return model
+
+
+def close_all() -> None:
+    """Close every parallel model this process opened (the CLI's models stay open until exit)."""
+    while _OPEN:
+        _OPEN.pop().close()

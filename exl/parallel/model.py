@@ -135,6 +135,10 @@ class ParallelModel:
     def eval(self) -> "ParallelModel":
         return self
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # -- lifetime ----------------------------------------------------------------------------------
 
     @contextlib.contextmanager
