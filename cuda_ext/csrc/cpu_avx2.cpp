@@ -1,11 +1,12 @@
 // AVX2 + FMA + F16C kernels (see cpu_simd.inc); selected at run time when the CPU has them.
+#include "cpu_kernels.h"
+
+// GCC only: clang ignores `#pragma GCC target`, so clang builds use the scalar kernels.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
 
-#include "cpu_kernels.h"
-
-#if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define EXL_VNNI 0
