@@ -269,3 +269,30 @@ def test_body_limit_applies_to_chunked_uploads_too():
         r = client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer u"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"  # no model loaded
         assert client.get("/health").json()["status"] == "no_model"
+
+
+def test_first_start_writes_and_prints_keys_once(tmp_path):
+    """A real `exl serve` without a model: keys are made on first start, printed, and enforced (that a second
+    start reuses them without printing is `test_keys_file_created_once_private_and_reused`)."""
+    import httpx
+
+    from test_server_utils import Server
+
+    class NoKeys(Server):
+        api_key = admin_key = None
+
+    def start():
+        return NoKeys(tmp_path / "models", None, tmp_path, log_name=f"run{len(list(tmp_path.glob('*.log')))}")
+
+    (tmp_path / "models").mkdir()
+    first = start()
+    try:
+        first.wait_ready(want=("no_model",), timeout=120)
+        keys = yaml.safe_load((tmp_path / "api_tokens.yml").read_text())
+        assert keys["api_key"] in first.log() and keys["admin_key"] in first.log()
+        r = httpx.get(first.url + "/v1/models")
+        assert r.status_code == 401
+        r = httpx.get(first.url + "/v1/models", headers={"x-api-key": keys["api_key"]})
+        assert r.status_code == 200 and r.json()["data"] == []
+    finally:
+        first.stop()

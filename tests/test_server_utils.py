@@ -131,7 +131,9 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(workdir) / f"{log_name}.log"
         cmd = [sys.executable, "-m", "exl.cli", "serve", "--model-dir", str(model_dir), "--port", str(self.port),
-               "--api-key", self.api_key, "--admin-key", self.admin_key, *extra]
+               *extra]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key, "--admin-key", self.admin_key]
         if model:
             cmd += ["--model", model]
         env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -264,6 +264,7 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing") -> As
         raise APIError(404, "the model was unloaded", code="model_not_found")
     queue: asyncio.Queue = asyncio.Queue()
     async_jobs = []
+    async_generator = lm.async_generator
 
     async def pump(index, async_job):
         try:
@@ -277,12 +278,13 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing") -> As
             queue.put_nowait((index, None, StopAsyncIteration()))
 
     tasks = []
+    getter = None
     ended: set = set()
     try:
         for job in jobs:
             index = job.identifier
             try:
-                async_job = AsyncJob(lm.async_generator, job)
+                async_job = AsyncJob(async_generator, job)
             except RuntimeError as e:  # unloaded (closed) or failed generator
                 raise APIError(503, f"cannot run the request: {e}", code="generator_unavailable") from None
             async_jobs.append(async_job)
@@ -290,11 +292,25 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing") -> As
             tasks.append(asyncio.create_task(pump(index, async_job)))
         remaining = len(tasks)
         while remaining:
-            index, event, error = await queue.get()
+            # Wait for the next event, but notice a generator whose worker thread died: jobs it had not picked
+            # up yet would otherwise wait forever.
+            getter = getter or asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({getter}, timeout=1.0)
+            if not done:
+                dead = getattr(async_generator, "error", None)
+                if dead is not None:
+                    raise APIError(503, f"the generator stopped ({type(dead).__name__}: {dead}); it is restarted "
+                                   f"for the next request, try again", code="generator_failed")
+                continue
+            index, event, error = getter.result()
+            getter = None
             if isinstance(error, StopAsyncIteration):
                 remaining -= 1
                 continue
             if error is not None:
+                if error is getattr(async_generator, "error", None) and not isinstance(error, APIError):
+                    raise APIError(503, f"the generator stopped ({type(error).__name__}: {error}); it is restarted "
+                                   f"for the next request, try again", code="generator_failed")
                 raise _generation_error(error)
             timing.tokens(index, len(event.token_ids or []))
             if event.eos:
@@ -317,6 +333,8 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing") -> As
                         await async_job.cancel()
                     except Exception:
                         log.debug("cancel failed", exc_info=True)
+            if getter is not None:
+                getter.cancel()
             for task in tasks:
                 task.cancel()
             if tasks:
