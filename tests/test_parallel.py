@@ -91,13 +91,16 @@ def quantize_weight(w, seed, perm=True, su=True, sv=True):
     return t
 
 
-def quantize_folder(src, dst):
+def quantize_folder(src, dst, layers=None):
     """An exl-format copy of a dense folder: every decoder linear and the head quantized. Different
-    layer kinds take different options, so every splitting path is exercised."""
+    layer kinds take different options, so every splitting path is exercised. layers: keep only the
+    first N decoder layers."""
     dst.mkdir()
     tensors = {}
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(f))
+    if layers is not None:
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
     out = {}
     for i, (name, w) in enumerate(sorted(tensors.items())):
         prefix = name.removesuffix(".weight")
@@ -111,6 +114,8 @@ def quantize_folder(src, dst):
     save_file(out, dst / "model.safetensors")
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "exl", "version": 1}
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst
 
@@ -237,6 +242,19 @@ def test_followers_stop_when_rank_0_dies(folders, tmp_path):
     pytest.fail("rank 1 kept running after rank 0 died")
 
 
+@pytest.mark.slow
+def test_a_hung_rank_times_out(folders):
+    model = load_parallel(folders["dense"], tp=2, device="cpu", progress=False, timeout=5)
+    pid = model.launcher.procs[0].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(ParallelError, match="did not answer within 5 s"):
+            model(IDS)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        model.close()
+
+
 def test_bad_requests_fail_before_any_process_starts(folders):
     with pytest.raises(ParallelError, match="at least 2"):
         load_parallel(folders["dense"], tp=1)
@@ -282,3 +300,12 @@ def test_eval_ppl_with_tp_matches_single_process(smollm_dir, tmp_path, capsys):
     one, two = results
     assert one["tokens"] == two["tokens"] == 2 * 47
     assert abs(two["ppl"] - one["ppl"]) <= 1e-4 * one["ppl"], (one, two)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 3])
+def test_smollm2_quantized_tensor_parallel(smollm_dir, tmp_path, tp):
+    """Real SmolLM2 shapes (9 query / 3 KV heads of 64, 1536 MLP channels, tied 49152 head), 4 layers
+    quantized with rotations and act-order; 3 ranks get one KV head each."""
+    path = quantize_folder(smollm_dir, tmp_path / "q", layers=4)
+    check_parallel(path, tp=tp)

@@ -55,7 +55,7 @@ class Comm:
     def _run(self, what: str, fn):
         try:
             return fn()
-        except (RuntimeError, ValueError) as e:  # gloo and NCCL report dead peers and timeouts as RuntimeError
+        except RuntimeError as e:  # gloo and NCCL report dead peers and timeouts as RuntimeError (subclasses)
             extra = self.describe_failure()
             raise ParallelError(f"rank {self.rank}: {what} failed: another rank stopped (crashed, was killed, "
                                 f"or did not answer within {self.timeout:.0f} s). {extra}\n  ({e})".rstrip()) from e
