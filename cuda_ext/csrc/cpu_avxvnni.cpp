@@ -1,8 +1,8 @@
 // AVX2 + FMA + F16C + AVX-VNNI kernels (see cpu_simd.inc); selected at run time when the CPU has them.
 #include "cpu_kernels.h"
 
-// GCC only: clang ignores `#pragma GCC target`, so clang builds use the scalar kernels.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// GCC 11+ only (AVX-VNNI); clang ignores `#pragma GCC target`, so clang builds use the scalar kernels.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
