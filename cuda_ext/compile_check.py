@@ -2,7 +2,8 @@
 
 Compiles every csrc/*.cu with nvcc for sm_80, sm_86, sm_89 and sm_90 (those this nvcc supports)
 and syntax-checks the CUDA bindings (cuda_ops.cpp) with the host compiler against torch's headers.
-Needs no GPU. Exits non-zero on the first error; CI runs it.
+Needs no GPU. Exits non-zero on any error (and, with --require-nvcc, when nvcc is missing; without
+it a machine with no CUDA toolkit skips the check); CI runs it.
 """
 
 from __future__ import annotations
@@ -46,11 +47,12 @@ def run(cmd: list[str], what: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", action="append", help="only these sm_XY (e.g. --arch 90); default all supported")
+    ap.add_argument("--require-nvcc", action="store_true", help="fail (exit 2) instead of skipping without nvcc")
     args = ap.parse_args(argv)
     nvcc = find_nvcc()
     if nvcc is None:
-        print("compile_check: nvcc not found (install the CUDA toolkit or set CUDA_HOME)", file=sys.stderr)
-        return 2
+        print("compile_check: skipped, nvcc not found (install the CUDA toolkit or set CUDA_HOME)", file=sys.stderr)
+        return 2 if args.require_nvcc else 0
     archs = args.arch or supported_archs(nvcc)
     cu_files = sorted(CSRC.glob("*.cu"))
     print(f"compile_check: {len(cu_files)} .cu file(s) x sm_{', sm_'.join(archs)} with {nvcc}")
