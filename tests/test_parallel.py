@@ -198,7 +198,10 @@ def test_parallel_equals_single_process(folders, family, kwargs):
 
 
 def test_uneven_shares_give_uneven_parts(folders):
-    with load_parallel(folders["qwen3-moe"], tp=2, mode="expert", shares=[1, 2], device="cpu", progress=False) as m:
+    from exl.models import CausalLM
+
+    load = CausalLM.load(folders["qwen3-moe"], device="cpu", progress=False, tp=2, mode="expert", shares=[1, 2])
+    with load as m:
         assert m.plan.kv_ranges == [(0, 1), (1, 4)]
         assert m.plan.local_experts == range(0, 2)  # 6 experts, 1:2
         assert m.config.num_kv_heads == 1 and m.full_config.num_kv_heads == 4  # rank 0's cache holds its heads
