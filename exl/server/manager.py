@@ -246,6 +246,7 @@ class ModelManager:
                 num_draft_tokens=draft_opts.get("num_draft_tokens") or dcfg.num_draft_tokens,
                 ngram_draft=dcfg.ngram if draft_opts.get("ngram") is None else draft_opts["ngram"])
             stack.build()
+            _warm_constraints(tokenizer)
         except APIError:
             raise
         except (ExlError, FileNotFoundError, ValueError) as e:
@@ -309,3 +310,14 @@ class GeneratorStack:
         log.error("the generator thread failed (%s: %s); restarting it (restart #%d)", type(error).__name__, error,
                   self.restarts)
         self.build()
+
+
+def _warm_constraints(tokenizer) -> None:
+    """Build the constraint library's view of the tokenizer now (about a second) rather than on the event loop
+    during the first request with a JSON schema or tools."""
+    try:
+        from exl.generator.constraints import ll_tokenizer
+
+        ll_tokenizer(tokenizer)
+    except Exception as e:  # noqa: BLE001 - constrained requests will report it
+        log.warning("constrained output will not work: %s", e)
