@@ -479,25 +479,29 @@ class PagedContext(AttentionContext):
 
 def _attend_runs(q, keys, values, mask, scale, softcap):
     """q [Hq, n, D]; keys/values: lists of [Hkv, count, D] (one per run, in position order); mask [n, total]
-    or None. Returns [Hq, n, D]."""
+    or None. Returns [Hq, n, D]. A few queries (decode, drafts): grouped batched matmuls, run by run, one
+    softmax over all runs; a prompt chunk over one run: the fused SDPA kernel."""
+    hq, n, d = q.shape
     if isinstance(mask, str):  # "causal", over a single run
         return scaled_attention(q[None], keys[0][None], values[0][None], scale=scale, causal=True, softcap=softcap)[0]
-    if len(keys) == 1:
+    if len(keys) == 1 and n > 8:
         m = None if mask is None else mask[None, None]
         return scaled_attention(q[None], keys[0][None], values[0][None], scale=scale, mask=m, softcap=softcap)[0]
-    hq, n, d = q.shape
     hkv = keys[0].shape[0]
     g = hq // hkv
     qg = q.reshape(hkv, g * n, d)  # queries of one kv head side by side: no K/V expansion
-    scores = torch.cat([qg @ k.transpose(1, 2) for k in keys], dim=-1) * scale
+    parts = [torch.bmm(qg, k.transpose(1, 2)) for k in keys]
+    scores = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).mul_(scale)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:
         scores = scores.view(hkv, g, n, -1).masked_fill(~mask, float("-inf")).view(hkv, g * n, -1)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if len(values) == 1:
+        return torch.bmm(probs, values[0]).view(hq, n, d)
     out, col = None, 0
     for v in values:
-        part = probs[..., col : col + v.shape[1]] @ v
-        out = part if out is None else out + part
+        part = torch.bmm(probs[..., col : col + v.shape[1]], v)
+        out = part if out is None else out.add_(part)
         col += v.shape[1]
     return out.view(hq, n, d)
