@@ -268,7 +268,8 @@ def load_parallel(path: str | Path, tp: int | None = None, gpu_split: list[float
     """
     if isinstance(gpu_split, str):
         gpu_split = parse_gpu_split(gpu_split)
-    if any(not m.closed for m in _OPEN):
+    _OPEN[:] = [m for m in _OPEN if not m.closed]
+    if _OPEN:
         raise ParallelError("a parallel model is already loaded in this process: close it first (model.close() "
                             "or exl.parallel.close_all())")
     env = _env_rank()

@@ -187,6 +187,8 @@ class ParallelModel:
             if self.launcher is not None:
                 self.launcher.join()
             self.comm.close()
+            self.runner.model = None  # free this rank's weights and caches now, not at exit
+            self.runner.mirrors.caches.clear()
 
     def __enter__(self):
         return self
