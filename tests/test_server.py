@@ -210,12 +210,12 @@ def test_extra_samplers_are_applied(client):
 
 def test_concurrent_requests_batch_correctly(env, ref):
     prompts = ["The capital of Italy is", "Water boils at", "My favourite colour is", "In 1969, astronauts",
-               "The largest planet is", "Python is a", "Once upon a time", "The best way to learn"]
+               "The largest planet is", "Python is a"]
 
     async def together():
         aclient = openai.AsyncOpenAI(base_url=env.url + "/v1", api_key=env.api_key, max_retries=0)
         rs = await asyncio.gather(*[aclient.completions.create(
-            model="smol", prompt=p, temperature=0, max_tokens=8 + i, extra_body={"return_token_ids": True})
+            model="smol", prompt=p, temperature=0, max_tokens=6 + i, extra_body={"return_token_ids": True})
             for i, p in enumerate(prompts)])
         await aclient.close()
         return rs
@@ -223,7 +223,7 @@ def test_concurrent_requests_batch_correctly(env, ref):
     for i, (p, r) in enumerate(zip(prompts, asyncio.run(together()))):
         c = r.choices[0]
         assert c.prompt_token_ids == ref[1].encode(p)
-        assert len(c.token_ids) == 8 + i or c.finish_reason == "stop"
+        assert len(c.token_ids) == 6 + i or c.finish_reason == "stop"
         check_greedy(ref, c.prompt_token_ids, c.token_ids, c.finish_reason)
 
 
