@@ -370,6 +370,9 @@ def test_metrics(env, client):
 
 def test_unload_load_and_tool_calls(env, client):
     admin = env.headers(admin=True)
+    r = httpx.post(env.url + "/v1/model/load", headers=admin, json={"name": "smol-tools", "max_seq_len": 10**6})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+    assert httpx.get(env.url + "/v1/model", headers=env.headers()).json()["id"] == "smol"  # still loaded
     r = httpx.post(env.url + "/v1/model/unload", headers=admin)
     assert r.status_code == 200 and r.json()["unloaded"] == "smol"
     assert httpx.get(env.url + "/health").json()["status"] == "no_model"

@@ -162,6 +162,7 @@ class ModelManager:
         draft_opts = options.pop("draft", None) or {}
         draft_name = draft_opts.get("name", self.config.draft.name)
         draft_folder = self.resolve(draft_name) if draft_name else None
+        self._sizes(_context_of(folder), options)  # bad sizes fail before the current model is unloaded
         if self._lock.locked():
             raise APIError(409, f"a model load is already in progress ({self.loading!r}); wait for it to finish",
                            code="load_in_progress")
@@ -209,11 +210,13 @@ class ModelManager:
 
     def _sizes(self, model_ctx: int, options: dict) -> tuple[int, int]:
         cfg = self.config.model
-        max_seq_len = options.get("max_seq_len") or cfg.max_seq_len
-        cache_size = options.get("cache_size") or cfg.cache_size
+        max_seq_len = options.get("max_seq_len")
         if max_seq_len and max_seq_len > model_ctx:
             raise APIError(400, f"max_seq_len {max_seq_len} is longer than the model's context ({model_ctx})",
                            param="max_seq_len")
+        if not max_seq_len and cfg.max_seq_len:  # the server-wide setting is capped by each model's context
+            max_seq_len = min(cfg.max_seq_len, model_ctx)
+        cache_size = options.get("cache_size") or cfg.cache_size
         if cache_size is None:
             cache_size = max_seq_len or min(model_ctx, DEFAULT_CACHE_LIMIT)
         if max_seq_len is None:
@@ -310,6 +313,18 @@ class GeneratorStack:
         log.error("the generator thread failed (%s: %s); restarting it (restart #%d)", type(error).__name__, error,
                   self.restarts)
         self.build()
+
+
+def _context_of(folder: Path) -> int:
+    """A model folder's context length, read from config.json without loading anything."""
+    from exl.config import ModelConfig
+    from exl.errors import ExlError
+
+    try:
+        return ModelConfig.from_dir(folder).max_position_embeddings
+    except (ExlError, OSError, ValueError, KeyError, TypeError) as e:
+        raise APIError(400, f"cannot read {folder.name}/config.json: {e}", param="name",
+                       code="model_load_failed") from None
 
 
 def _warm_constraints(tokenizer) -> None:
