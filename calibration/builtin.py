@@ -26,13 +26,15 @@ MAX_SOURCE_CHARS = 2500  # one source document is at most this long (many module
 
 def stdlib_files() -> list[Path]:
     """The standard library's .py files, sorted (the same list on every run)."""
+    import os
+
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
-    for f in root.rglob("*.py"):
-        rel = f.relative_to(root).parts
-        if EXCLUDED_PARTS.intersection(rel) or any(p.startswith("test_") for p in rel):
-            continue
-        files.append(f)
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in EXCLUDED_PARTS and not d.startswith("test_")]  # prune: never walk
+        for name in names:                                                                  # site-packages
+            if name.endswith(".py") and not name.startswith("test_"):
+                files.append(Path(folder) / name)
     return sorted(files)
 
 

@@ -42,17 +42,20 @@ def taps(refs: list[LinearRef], fn):
 
 class HessianCache:
     """H = Σ xᵀx over the valid tokens of a layer input, computed once per distinct input tensor
-    (q/k/v share one input, as do gate/up)."""
+    (q/k/v share one input, as do gate/up). Inputs are matched by identity and kept alive while
+    cached: matching by address would confuse a freed input with a new one at the same address."""
 
     def __init__(self, valid: torch.Tensor | None = None):
         self.valid = valid  # bool [B*T] token mask, or None
-        self._cache: dict[tuple, tuple[torch.Tensor, int]] = {}
+        self._cache: list[tuple[torch.Tensor, tuple[torch.Tensor, int]]] = []
 
     def __call__(self, x: torch.Tensor, name: str = "") -> tuple[torch.Tensor, int]:
-        key = (x.data_ptr(), tuple(x.shape), x.dtype)
-        if key not in self._cache:
-            self._cache[key] = hessian(x, self.valid, name)
-        return self._cache[key]
+        for seen, result in self._cache:
+            if seen is x:
+                return result
+        result = hessian(x, self.valid, name)
+        self._cache.append((x, result))
+        return result
 
     def clear(self):
         self._cache.clear()
@@ -61,11 +64,13 @@ class HessianCache:
 def hessian(x: torch.Tensor, valid: torch.Tensor | None = None, name: str = "") -> tuple[torch.Tensor, int]:
     """(H = Σ_t x_t x_tᵀ as float64 [K, K], number of tokens used). Tokens with NaN/inf are skipped."""
     x = x.reshape(-1, x.shape[-1]).float()
-    if valid is not None and valid.numel() == x.shape[0]:
+    if valid is not None and valid.numel() == x.shape[0] and not bool(valid.all()):
         x = x[valid.to(x.device)]
-    finite = torch.isfinite(x).all(dim=1)
-    if not bool(finite.all()):
-        bad = int((~finite).sum())
-        log.warning("%s: %d of %d calibration tokens have NaN/inf inputs and are skipped", name, bad, x.shape[0])
+    h = x.T @ x
+    if not bool(torch.isfinite(h).all()):  # only then look for the culprits (a full scan of x is slow)
+        finite = torch.isfinite(x).all(dim=1)
+        log.warning("%s: %d of %d calibration tokens have NaN/inf inputs and are skipped", name,
+                    int((~finite).sum()), x.shape[0])
         x = x[finite]
-    return (x.T @ x).double(), int(x.shape[0])
+        h = x.T @ x
+    return h.double(), int(x.shape[0])

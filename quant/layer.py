@@ -18,17 +18,19 @@ from dataclasses import dataclass
 
 import torch
 
+from exl import format as F
 from exl.format import hadamard_block
 from quant.candidates import Setting, candidates, storage_bits
-from quant.gptq import ALPHAS, HessianError, gptq, inverse_cholesky
+from quant.gptq import ALPHAS, HessianError, gptq, inverse_cholesky, one_thread
 from quant.options import QuantOptions
-from quant.pack import dequantized, layer_tensors
+from quant.pack import layer_tensors
 from quant.transform import Transform, prepare
 
 log = logging.getLogger("exl.quant")
 
 REFERENCE = Setting(3, 64)  # the setting that decides each matrix's transform under transform=auto
-AUTO_TRANSFORMS = (Transform(True, False, True), Transform(False, False, True), Transform(True, True, True))
+AUTO_TRANSFORMS = (Transform(True, False, True), Transform(True, True, True), Transform(False, False, True),
+                   Transform(False, True, True))
 
 
 def row_weights(f: torch.Tensor, t: Transform) -> torch.Tensor:
@@ -70,12 +72,21 @@ def _subset(n: int, rows: int, device) -> torch.Tensor:
 def measure(name: str, w: torch.Tensor, h: torch.Tensor, tokens: int, fisher: torch.Tensor,
             options: QuantOptions, seed: int) -> dict:
     """Predicted ΔKL and exact storage bits of every candidate setting for W [N, K] with Hessian H."""
+    with one_thread(w.device):  # many small factorizations: threads only add hand-off latency
+        return _measure(name, w, h, tokens, fisher, options, seed)
+
+
+def _measure(name, w, h, tokens, fisher, options, seed) -> dict:
     n, k = w.shape
     rows = _subset(n, options.measure_rows, w.device)
     best = None
     for t in transform_options(options):  # the transform with the lowest error at the reference setting
-        p = prepare(w, h, t, seed, name)
-        u, damp = factor(p.h, options)
+        if best is not None and best[1].su == t.su and best[1].perm == t.perm:
+            p = prepare(w, h, t, seed, name, h_from=best[2])  # same Hessian: reuse its factor
+            u, damp = best[3], best[4]
+        else:
+            p = prepare(w, h, t, seed, name)
+            u, damp = factor(p.h, options)
         fw = row_weights(fisher, t)
         r = gptq(p.w[rows], u, [REFERENCE.segments(k)], alphas(options), want_codes=False)[0]
         err = float((r.row_err * fw[rows]).sum())
@@ -85,7 +96,8 @@ def measure(name: str, w: torch.Tensor, h: torch.Tensor, tokens: int, fisher: to
     settings = [Setting.parse(options.fixed)] if options.fixed else candidates(k, options.mixes)
     results = gptq(p.w[rows], u, [s.segments(k) for s in settings], alphas(options), want_codes=False)
     wf, frows = fw[rows], fw.sum() / fw[rows].sum().clamp_min(1e-30)
-    base = (p.w[rows].double() @ p.h.to(p.w.device) * p.w[rows].double()).sum(1)  # (W H Wᵀ)_nn
+    wr = p.w[rows].double()
+    base = ((wr @ p.h.to(wr.device)) * wr).sum(1)  # (W H Wᵀ)_nn
     out = []
     for s, r in zip(settings, results):
         kl = 0.5 * float((r.row_err * wf).sum() * frows) / max(tokens, 1)
@@ -108,19 +120,38 @@ def quantize(name: str, w: torch.Tensor, h: torch.Tensor, setting: Setting, tran
              options: QuantOptions, seed: int, bias: torch.Tensor | None = None,
              fisher: torch.Tensor | None = None, tokens: int = 1) -> Quantized:
     """Quantize W [N, K] under one setting: the format's tensors and the matrix they stand for."""
+    with one_thread(w.device):
+        return _quantize(name, w, h, setting, transform, options, seed, bias, fisher, tokens)
+
+
+def _quantize(name, w, h, setting, transform, options, seed, bias, fisher, tokens) -> Quantized:
     n, k = w.shape
     p = prepare(w, h, transform, seed, name)
     u, _ = factor(p.h, options)
     segments = setting.segments(k)
     r = gptq(p.w, u, [segments], alphas(options))[0]
     t = layer_tensors(p, r, segments, bias)
-    wq = dequantized(t).to(w.device)
-    dw = (wq - w.float()).double()
-    hd = h.to(dw.device, torch.float64)
-    num = float(((dw @ hd) * dw).sum())
-    den = float(((w.double() @ hd) * w.double()).sum())
+    wq = unrotate(p, F.dequantize_codes(r.codes, r.scales, segments, torch.float32).to(w.device))
+    w32, h32 = w.float(), h.to(w.device, torch.float32)
+    both = torch.cat([wq - w32, w32])
+    energy = ((both @ h32) * both).sum(1).double()  # rows of ΔW H ΔWᵀ, then of W H Wᵀ
+    err, base = energy[:n], energy[n:]
     kl = 0.0
     if fisher is not None:
-        kl = 0.5 * float((((dw @ hd) * dw).sum(1) * fisher.double().to(dw.device)).sum()) / max(tokens, 1)
+        kl = 0.5 * float((err * fisher.double().to(err.device)).sum()) / max(tokens, 1)
     bits = storage_bits(n, k, segments, transform.perm, transform.su, transform.sv)
-    return Quantized(t, wq, num / max(den, 1e-30), kl, bits)
+    return Quantized(t, wq, float(err.sum() / base.sum().clamp_min(1e-30)), kl, bits)
+
+
+def unrotate(p, q: torch.Tensor) -> torch.Tensor:
+    """The matrix in original coordinates from Q in the quantizer's (float32 version of F.dequantize)."""
+    w = torch.empty_like(q)
+    if p.perm is not None:
+        w[:, p.perm] = q
+    else:
+        w = q
+    if p.su is not None:
+        w = F.fwht(w) * p.su
+    if p.sv is not None:
+        w = p.sv[:, None] * F.fwht(w.T).T
+    return w

@@ -41,7 +41,7 @@ def _ctx(h: torch.Tensor) -> NoCache:
 
 def check_rows(h: torch.Tensor, valid: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop calibration rows whose hidden states went NaN/inf (zeroed, masked from then on)."""
-    finite = torch.isfinite(h).flatten(1).all(dim=1).cpu()
+    finite = torch.isfinite(h.sum(dim=tuple(range(1, h.dim())))).cpu()  # a row with NaN/inf sums to NaN/inf
     bad = valid & ~finite
     if bool(bad.any()):
         valid = valid & finite

@@ -52,8 +52,27 @@ class Prepared:
     perm: torch.Tensor | None  # int64 [K]: column j of w is column perm[j] of the rotated matrix
 
 
-def prepare(w: torch.Tensor, h: torch.Tensor, t: Transform, seed: int, name: str) -> Prepared:
-    """Rotate and permute W [N, K] and H [K, K]; zero the columns of dead input channels."""
+def prepare(w: torch.Tensor, h: torch.Tensor, t: Transform, seed: int, name: str,
+            h_from: "Prepared | None" = None) -> Prepared:
+    """Rotate and permute W [N, K] and H [K, K]; zero the columns of dead input channels.
+
+    h_from: a Prepared of the same W and H with the same `su` and `perm` (only `sv` differs), whose
+    rotated Hessian and permutation are reused instead of recomputed."""
+    if h_from is not None:
+        w2 = w.to(torch.float32)
+        dead = h.diagonal() <= 0
+        if dead.any():
+            w2 = w2.clone()
+            w2[:, dead] = 0
+        if h_from.su is not None:
+            w2 = fwht(w2 * h_from.su)
+        sv = None
+        if t.sv:
+            sv = random_signs(w.shape[0], seed, name, "v").to(w.device)
+            w2 = fwht((w2 * sv[:, None]).T).T
+        if h_from.perm is not None:
+            w2 = w2[:, h_from.perm]
+        return Prepared(w2.contiguous(), h_from.h, h_from.su, sv, h_from.perm)
     n, k = w.shape
     w = w.to(torch.float32)
     h = h.to(torch.float64).clone()

