@@ -8,6 +8,7 @@ and picks its instruction set at run time. Builds are cached under ``$TORCH_EXTE
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -20,11 +21,11 @@ from pathlib import Path
 CSRC = Path(__file__).resolve().parent / "csrc"
 CPU_SOURCES = ["cpu_ops.cpp", "cpu_scalar.cpp", "cpu_avx2.cpp", "cpu_avxvnni.cpp"]
 CUDA_SOURCES = ["cuda_ops.cpp", "cuda_kernels.cu"]
-CXX_FLAGS = ["-O3", "-std=c++17", "-fno-math-errno", "-Wno-unused-function"]
+CXX_FLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-Wno-unused-function")
 # at::parallel_for is a header template: without -fopenmp it runs serially inside the extension.
 # Linking libgomp.so.1 reuses the copy torch has already loaded (same soname), so one thread pool.
-OPENMP_FLAGS = ["-fopenmp"] if sys.platform.startswith("linux") else []
-NVCC_FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
+OPENMP_FLAGS = ("-fopenmp",) if sys.platform.startswith("linux") else ()
+NVCC_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-lineinfo")
 CUDA_ARCHS = ["8.0", "8.6", "8.9", "9.0"]
 
 
@@ -89,7 +90,7 @@ def _explain(log: str) -> str:
 def _jit(name: str, sources: list[str], cuda: bool, verbose: bool):
     import torch.utils.cpp_extension as ext
 
-    flags = CXX_FLAGS + OPENMP_FLAGS + (NVCC_FLAGS if cuda else [])
+    flags = [*CXX_FLAGS, *OPENMP_FLAGS, *(NVCC_FLAGS if cuda else ())]
     build_dir = cache_root() / f"{name}_{_digest(sources, flags)}"
     so = build_dir / f"{name}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
     alt = build_dir / f"{name}.so"
@@ -105,8 +106,8 @@ def _jit(name: str, sources: list[str], cuda: bool, verbose: bool):
     kwargs = dict(
         name=name,
         sources=_sources(sources),
-        extra_cflags=CXX_FLAGS + OPENMP_FLAGS,
-        extra_ldflags=OPENMP_FLAGS,
+        extra_cflags=[*CXX_FLAGS, *OPENMP_FLAGS],  # fresh lists: torch's load() appends to them
+        extra_ldflags=[*OPENMP_FLAGS],
         extra_include_paths=[str(CSRC)],
         build_directory=str(build_dir),
         verbose=verbose,
@@ -115,13 +116,14 @@ def _jit(name: str, sources: list[str], cuda: bool, verbose: bool):
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
         if not arch:
             os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(CUDA_ARCHS)
-        kwargs["extra_cuda_cflags"] = NVCC_FLAGS
+        kwargs["extra_cuda_cflags"] = [*NVCC_FLAGS]
     try:
         return ext.load(**kwargs)
     except Exception as e:  # compiler output is in the exception text
         raise ExtensionBuildError(f"building the exl {what} kernels failed: {_explain(str(e))}") from e
 
 
+@functools.cache
 def load_cpu(verbose: bool = False):
     """Import the prebuilt CPU extension, or JIT-compile (cached) and import it."""
     try:
@@ -133,6 +135,7 @@ def load_cpu(verbose: bool = False):
     return _jit("exl_cpu", CPU_SOURCES, cuda=False, verbose=verbose)
 
 
+@functools.cache
 def load_cuda(verbose: bool = False):
     """Import the prebuilt CUDA extension, or JIT-compile (cached) and import it."""
     try:
@@ -156,8 +159,8 @@ def setup_extensions(with_cuda: bool | None = None) -> list:
             "cuda_ext._exl_cpu",
             rel(CPU_SOURCES),
             include_dirs=inc,
-            extra_compile_args=CXX_FLAGS + OPENMP_FLAGS,
-            extra_link_args=OPENMP_FLAGS,
+            extra_compile_args=[*CXX_FLAGS, *OPENMP_FLAGS],
+            extra_link_args=[*OPENMP_FLAGS],
         )
     ]
     if with_cuda is None:
@@ -168,8 +171,8 @@ def setup_extensions(with_cuda: bool | None = None) -> list:
                 "cuda_ext._exl_cuda",
                 rel(CUDA_SOURCES),
                 include_dirs=inc,
-                extra_compile_args={"cxx": CXX_FLAGS + OPENMP_FLAGS, "nvcc": NVCC_FLAGS},
-                extra_link_args=OPENMP_FLAGS,
+                extra_compile_args={"cxx": [*CXX_FLAGS, *OPENMP_FLAGS], "nvcc": [*NVCC_FLAGS]},
+                extra_link_args=[*OPENMP_FLAGS],
             )
         )
     return exts

@@ -1,8 +1,9 @@
 // Torch bindings of the CPU kernels: layer validation, the forward pipeline of docs/format.md
 // §1.4 (sign flip + FWHT, perm gather, fused dequant-matmul, FWHT + sign flip, bias), threading
 // with at::parallel_for and the run-time choice of instruction set.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor (lighter than torch/extension.h)
 
 #include <algorithm>
 #include <cmath>
@@ -72,8 +73,8 @@ Path parse_path(const std::string& s) {
 
 class QuantLinearCPU {
  public:
-  QuantLinearCPU(torch::Tensor qweight, torch::Tensor qscale, torch::Tensor qmeta, c10::optional<torch::Tensor> perm,
-                 c10::optional<torch::Tensor> su, c10::optional<torch::Tensor> sv, c10::optional<torch::Tensor> bias,
+  QuantLinearCPU(at::Tensor qweight, at::Tensor qscale, at::Tensor qmeta, c10::optional<at::Tensor> perm,
+                 c10::optional<at::Tensor> su, c10::optional<at::Tensor> sv, c10::optional<at::Tensor> bias,
                  const std::string& isa)
       : kernels_(kernels_named(isa.empty() ? env_isa() : isa)) {
     const LayerSpec spec = check_layer(qweight, qscale, qmeta, perm, su, sv, bias);
@@ -84,7 +85,7 @@ class QuantLinearCPU {
     if (present(perm)) perm_ = perm->contiguous();
     if (present(su)) su_ = su->contiguous();
     if (present(sv)) sv_ = sv->contiguous();
-    if (present(bias)) bias_ = bias->to(torch::kFloat32).contiguous();
+    if (present(bias)) bias_ = bias->to(at::kFloat).contiguous();
     layer_.qweight = qweight_.data_ptr<uint8_t>();
     layer_.row_bytes = spec.row_bytes;
     layer_.qscale = reinterpret_cast<const uint16_t*>(qscale_.data_ptr<at::Half>());
@@ -100,15 +101,15 @@ class QuantLinearCPU {
   void set_isa(const std::string& name) { kernels_ = kernels_named(name); }
 
   // Q [N, K] in permuted order, fp32.
-  torch::Tensor dequantize() const {
-    auto out = torch::empty({layer_.N, layer_.K}, torch::kFloat32);
+  at::Tensor dequantize() const {
+    auto out = at::empty({layer_.N, layer_.K}, at::kFloat);
     float* o = out.data_ptr<float>();
     at::parallel_for(0, layer_.N, 16, [&](int64_t n0, int64_t n1) { kernels_->dequant(layer_, n0, n1, o + n0 * layer_.K, layer_.K); });
     return out;
   }
 
-  torch::Tensor forward(const torch::Tensor& x, const std::string& path, int64_t gemm_min_rows, bool exact) {
-    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32,
+  at::Tensor forward(const at::Tensor& x, const std::string& path, int64_t gemm_min_rows, bool exact) {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat,
                 "exl QuantLinear (CPU kernels): input must be a float32 CPU tensor, got ", x.scalar_type(), " on ",
                 x.device());
     const int64_t K = layer_.K, N = layer_.N;
@@ -118,7 +119,7 @@ class QuantLinearCPU {
     out_shape.back() = N;
     const auto x2 = x.reshape({-1, K}).contiguous();
     const int64_t M = x2.size(0);
-    auto y = torch::empty({M, N}, torch::kFloat32);
+    auto y = at::empty({M, N}, at::kFloat);
     if (M == 0) return y.reshape(out_shape);
     Path p = parse_path(path);
     if (p == Path::Auto) p = M >= gemm_min_rows ? Path::Gemm : (exact ? Path::Fp32 : Path::Int8);
@@ -176,7 +177,7 @@ class QuantLinearCPU {
       // 2. u' = u[perm]
       if (perm_.defined()) {
         float* g = scratch<float>(buf, used, size_t(M) * K);
-        if (perm_.scalar_type() == torch::kInt16)
+        if (perm_.scalar_type() == at::kShort)
           gather(u, perm_.data_ptr<int16_t>(), M, K, g);
         else
           gather(u, perm_.data_ptr<int32_t>(), M, K, g);
@@ -217,11 +218,11 @@ class QuantLinearCPU {
 
   // Large batches: dequantize a tile of rows into a cache-sized fp32 buffer (threads split the
   // rows), then multiply it with BLAS (threaded inside); no nested parallel regions.
-  void gemm(const float* u, int64_t M, torch::Tensor& y) const {
+  void gemm(const float* u, int64_t M, at::Tensor& y) const {
     const int64_t K = layer_.K, N = layer_.N;
     const int64_t tile = std::max<int64_t>(64, std::min<int64_t>(1024, ((int64_t(1) << 19) / K) & ~int64_t(15)));
-    const auto ut = torch::from_blob(const_cast<float*>(u), {M, K}, torch::kFloat32);
-    auto w = torch::empty({std::min(tile, N), K}, torch::kFloat32);
+    const auto ut = at::from_blob(const_cast<float*>(u), {M, K}, at::kFloat);
+    auto w = at::empty({std::min(tile, N), K}, at::kFloat);
     float* wp = w.data_ptr<float>();
     for (int64_t n0 = 0; n0 < N; n0 += tile) {
       const int64_t n1 = std::min(N, n0 + tile);
@@ -231,24 +232,24 @@ class QuantLinearCPU {
     }
   }
 
-  torch::Tensor qweight_, qscale_, perm_, su_, sv_, bias_;
+  at::Tensor qweight_, qscale_, perm_, su_, sv_, bias_;
   Layer layer_{};
   const Kernels* kernels_;
 };
 
 // Standalone FWHT (tests and callers that rotate activations themselves): returns a new tensor.
-torch::Tensor fwht(const torch::Tensor& x, int64_t block, c10::optional<torch::Tensor> signs, bool signs_first,
+at::Tensor fwht(const at::Tensor& x, int64_t block, c10::optional<at::Tensor> signs, bool signs_first,
                    const std::string& isa) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "exl fwht: expected a float32 CPU tensor");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "exl fwht: expected a float32 CPU tensor");
   const int64_t n = x.size(-1);
   if (block <= 0) block = hadamard_block_of(n);
   TORCH_CHECK((block & (block - 1)) == 0 && n % block == 0, "exl fwht: block ", block,
               " must be a power of two dividing the last dimension ", n);
   const uint8_t* s = nullptr;
-  torch::Tensor sc;
+  at::Tensor sc;
   if (signs && signs->defined()) {
     sc = signs->contiguous();
-    TORCH_CHECK(sc.scalar_type() == torch::kUInt8 && sc.numel() == (n + 7) / 8, "exl fwht: signs must be uint8 [",
+    TORCH_CHECK(sc.scalar_type() == at::kByte && sc.numel() == (n + 7) / 8, "exl fwht: signs must be uint8 [",
                 (n + 7) / 8, "]");
     s = sc.data_ptr<uint8_t>();
   }
@@ -265,6 +266,8 @@ torch::Tensor fwht(const torch::Tensor& x, int64_t block, c10::optional<torch::T
 }  // namespace cpu
 }  // namespace exl
 
+namespace py = pybind11;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using exl::cpu::QuantLinearCPU;
   m.doc() = "exl CPU kernels: fused dequant-matmul for the exl quantized format";
@@ -273,8 +276,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("signs_first") = true, py::arg("isa") = "auto",
         "Normalized blockwise fast Walsh-Hadamard transform over the last dim, optional sign flip");
   py::class_<QuantLinearCPU>(m, "QuantLinearCPU")
-      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
-                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>,
+                    c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                     const std::string&>(),
            py::arg("qweight"), py::arg("qscale"), py::arg("qmeta"), py::arg("perm") = py::none(),
            py::arg("su") = py::none(), py::arg("sv") = py::none(), py::arg("bias") = py::none(), py::arg("isa") = "")

@@ -1,7 +1,10 @@
 // Validation of a quantized layer's tensors (docs/format.md §1), shared by the CPU and CUDA
 // bindings. Every error names the tensor, what was expected and what was found.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
 
 #include "format.h"
 
@@ -12,24 +15,24 @@ struct LayerSpec {
   int64_t N = 0, K = 0, row_bytes = 0, n_groups = 0;
 };
 
-inline bool present(const c10::optional<torch::Tensor>& t) { return t.has_value() && t->defined(); }
+inline bool present(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
-inline LayerSpec check_layer(const torch::Tensor& qweight, const torch::Tensor& qscale, const torch::Tensor& qmeta,
-                             const c10::optional<torch::Tensor>& perm, const c10::optional<torch::Tensor>& su,
-                             const c10::optional<torch::Tensor>& sv, const c10::optional<torch::Tensor>& bias) {
+inline LayerSpec check_layer(const at::Tensor& qweight, const at::Tensor& qscale, const at::Tensor& qmeta,
+                             const c10::optional<at::Tensor>& perm, const c10::optional<at::Tensor>& su,
+                             const c10::optional<at::Tensor>& sv, const c10::optional<at::Tensor>& bias) {
   const char* who = "exl QuantLinear";
-  TORCH_CHECK(qweight.scalar_type() == torch::kUInt8 && qweight.dim() == 2, who,
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2, who,
               ": qweight must be a 2-D uint8 tensor, got ", qweight.scalar_type(), " ", qweight.sizes());
-  TORCH_CHECK(qscale.scalar_type() == torch::kHalf && qscale.dim() == 2, who,
+  TORCH_CHECK(qscale.scalar_type() == at::kHalf && qscale.dim() == 2, who,
               ": qscale must be a 2-D float16 tensor, got ", qscale.scalar_type(), " ", qscale.sizes());
-  TORCH_CHECK(qmeta.scalar_type() == torch::kInt32 && qmeta.dim() == 2 && qmeta.size(1) == 3 && qmeta.size(0) >= 1,
+  TORCH_CHECK(qmeta.scalar_type() == at::kInt && qmeta.dim() == 2 && qmeta.size(1) == 3 && qmeta.size(0) >= 1,
               who, ": qmeta must be int32 [n_segments, 3], got ", qmeta.scalar_type(), " ", qmeta.sizes());
   TORCH_CHECK(qmeta.size(0) <= kMaxSegments, who, ": ", qmeta.size(0), " segments, the kernels support at most ",
               kMaxSegments);
   TORCH_CHECK(qweight.device() == qscale.device(), who, ": qweight is on ", qweight.device(), " but qscale on ",
               qscale.device());
   LayerSpec spec;
-  const auto meta = qmeta.to(torch::kCPU).contiguous();
+  const auto meta = qmeta.to(at::kCPU).contiguous();
   const int32_t* mp = meta.data_ptr<int32_t>();
   SegmentTable& t = spec.segs;
   t.count = int(meta.size(0));
@@ -51,10 +54,10 @@ inline LayerSpec check_layer(const torch::Tensor& qweight, const torch::Tensor& 
   TORCH_CHECK(qscale.size(0) == spec.N && qscale.size(1) == spec.n_groups, who, ": qscale is ", qscale.sizes(),
               " but qweight and qmeta need [", spec.N, ", ", spec.n_groups, "]");
   if (present(perm)) {
-    TORCH_CHECK((perm->scalar_type() == torch::kInt16 || perm->scalar_type() == torch::kInt32) && perm->dim() == 1 &&
+    TORCH_CHECK((perm->scalar_type() == at::kShort || perm->scalar_type() == at::kInt) && perm->dim() == 1 &&
                     perm->size(0) == spec.K,
                 who, ": perm must be int16/int32 [", spec.K, "], got ", perm->scalar_type(), " ", perm->sizes());
-    const auto p = perm->to(torch::kCPU, torch::kInt64).contiguous();
+    const auto p = perm->to(at::kCPU, at::kLong).contiguous();
     std::vector<bool> seen(spec.K, false);
     const int64_t* pp = p.data_ptr<int64_t>();
     for (int64_t i = 0; i < spec.K; ++i) {
@@ -63,9 +66,9 @@ inline LayerSpec check_layer(const torch::Tensor& qweight, const torch::Tensor& 
       seen[pp[i]] = true;
     }
   }
-  auto check_signs = [&](const c10::optional<torch::Tensor>& s, int64_t n, const char* name) {
+  auto check_signs = [&](const c10::optional<at::Tensor>& s, int64_t n, const char* name) {
     if (!present(s)) return;
-    TORCH_CHECK(s->scalar_type() == torch::kUInt8 && s->dim() == 1 && s->size(0) == (n + 7) / 8, who, ": ", name,
+    TORCH_CHECK(s->scalar_type() == at::kByte && s->dim() == 1 && s->size(0) == (n + 7) / 8, who, ": ", name,
                 " must be uint8 [", (n + 7) / 8, "], got ", s->scalar_type(), " ", s->sizes());
   };
   check_signs(su, spec.K, "su");
