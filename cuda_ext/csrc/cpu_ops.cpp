@@ -51,9 +51,7 @@ std::vector<std::string> isa_names() {
   return out;
 }
 
-int64_t hadamard_block_of(int64_t n) { return exl::hadamard_block(n); }
-
-// Scratch memory of the calling thread, reused across calls (decode runs this per layer per token).
+// Carve `count` values of T out of buf, 64-byte aligned relative to its start.
 template <typename T>
 T* scratch(std::vector<uint8_t>& buf, size_t& used, size_t count) {
   const size_t off = (used + 63) & ~size_t(63);
@@ -124,11 +122,15 @@ class QuantLinearCPU {
     Path p = parse_path(path);
     if (p == Path::Auto) p = M >= gemm_min_rows ? Path::Gemm : (exact ? Path::Fp32 : Path::Int8);
 
-    thread_local std::vector<uint8_t> buf;
-    size_t used = 0;
+    // Scratch: kept per thread for small batches (decode calls this per layer per token), freed
+    // after the call for large ones.
     const size_t need = 64 * 8 + size_t(M) * K * sizeof(float) * 2 + size_t(M) * (K / kBlock + 8) * 12 +
                         size_t(M) * layer_.n_groups * 4;
+    thread_local std::vector<uint8_t> small_buf;
+    std::vector<uint8_t> large_buf;
+    std::vector<uint8_t>& buf = M <= 64 ? small_buf : large_buf;
     if (buf.size() < need) buf.resize(need);
+    size_t used = 0;
 
     // 1. u = H (D_u x)
     const float* u = x2.data_ptr<float>();
@@ -136,7 +138,7 @@ class QuantLinearCPU {
       float* r = scratch<float>(buf, used, size_t(M) * K);
       std::copy(u, u + M * K, r);
       const uint8_t* s = su_.data_ptr<uint8_t>();
-      const int64_t hb = hadamard_block_of(K);
+      const int64_t hb = hadamard_block(K);
       at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
         kernels_->fwht(r + m0 * K, m1 - m0, K, K, hb, s, true);
       });
@@ -193,7 +195,7 @@ class QuantLinearCPU {
     const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
     if (sv_.defined() || bp) {
       const uint8_t* s = sv_.defined() ? sv_.data_ptr<uint8_t>() : nullptr;
-      const int64_t hb = hadamard_block_of(N);
+      const int64_t hb = hadamard_block(N);
       at::parallel_for(0, M, std::max<int64_t>(1, 16384 / N), [&](int64_t m0, int64_t m1) {
         if (s) kernels_->fwht(yp + m0 * N, m1 - m0, N, N, hb, s, false);
         if (bp)
@@ -242,7 +244,7 @@ at::Tensor fwht(const at::Tensor& x, int64_t block, c10::optional<at::Tensor> si
                    const std::string& isa) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "exl fwht: expected a float32 CPU tensor");
   const int64_t n = x.size(-1);
-  if (block <= 0) block = hadamard_block_of(n);
+  if (block <= 0) block = hadamard_block(n);
   TORCH_CHECK((block & (block - 1)) == 0 && n % block == 0, "exl fwht: block ", block,
               " must be a power of two dividing the last dimension ", n);
   const uint8_t* s = nullptr;
