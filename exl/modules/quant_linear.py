@@ -49,8 +49,8 @@ class QuantLinear(torch.nn.Module):
                 f"layer prefix); missing {missing}, unknown {unknown}"
             )
         for name in REQUIRED + OPTIONAL:
-            if name in tensors:
-                self.register_buffer(name, tensors[name])
+            if name in tensors:  # contiguous here, so the kernels share these buffers instead of copying
+                self.register_buffer(name, tensors[name].contiguous())
             else:
                 setattr(self, name, None)
         self.out_features, self.in_features = F.layer_shape(tensors)
