@@ -337,7 +337,7 @@ class Generator:
             offset += n
         out = [None] * len(segments)
         if rows:
-            lg = self.model.logits(h[0, torch.tensor(rows, device=h.device)][None])[0]
+            lg = self.model.logits(h[0, torch.tensor(rows, device=h.device)][None])[0].cpu()  # sampled on the CPU
             for i, sp in enumerate(spans):
                 if sp is not None:
                     out[i] = lg[sp[0] : sp[0] + sp[1]]
@@ -385,7 +385,7 @@ class Generator:
             flat = [t for _, toks in segs for t in toks]
             h = self.draft_model(torch.tensor([flat], device=dc.device), ctx=ctx, return_hidden=True)
             ends = np.cumsum([len(t) for _, t in segs]) - 1
-            lg = self.draft_model.logits(h[0, torch.tensor(ends, device=h.device)][None])[0]
+            lg = self.draft_model.logits(h[0, torch.tensor(ends, device=h.device)][None])[0].cpu()
             for (j, toks), row in zip(segs, lg):
                 run = j._run
                 dc.commit(run.draft_table, toks, share=False)
