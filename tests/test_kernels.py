@@ -297,6 +297,13 @@ def test_missing_compiler_is_named_and_falls_back(monkeypatch, tmp_path):
     assert len(w) == 1 and "reference path" in str(w[0].message)
 
 
+def test_kernels_run_multithreaded(ext):
+    # at::parallel_for is a header template: built without OpenMP it silently runs on one thread
+    if torch.get_num_threads() < 2:
+        pytest.skip("torch uses one thread here")
+    assert ext.parallel_chunks(torch.get_num_threads()) == torch.get_num_threads()
+
+
 def test_setup_extensions_list_existing_sources():
     exts = build.setup_extensions()  # the CUDA one only where torch has CUDA
     assert exts[0].name == "cuda_ext._exl_cpu" and [e.name for e in exts[1:]] in ([], ["cuda_ext._exl_cuda"])

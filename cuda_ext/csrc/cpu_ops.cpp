@@ -6,6 +6,7 @@
 #include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor (lighter than torch/extension.h)
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -264,6 +265,14 @@ at::Tensor fwht(const at::Tensor& x, int64_t block, c10::optional<at::Tensor> si
   return y;
 }
 
+// How many chunks at::parallel_for ran for n units of work (1 when it runs serially, as it
+// silently does in an extension built without OpenMP).
+int64_t parallel_chunks(int64_t n) {
+  std::atomic<int64_t> chunks{0};
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { chunks++; });
+  return chunks.load();
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace exl
@@ -274,6 +283,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using exl::cpu::QuantLinearCPU;
   m.doc() = "exl CPU kernels: fused dequant-matmul for the exl quantized format";
   m.def("isa_names", &exl::cpu::isa_names, "Instruction sets usable on this CPU, best last");
+  m.def("parallel_chunks", &exl::cpu::parallel_chunks, "Chunks at::parallel_for runs for n units (threading check)");
   m.def("fwht", &exl::cpu::fwht, py::arg("x"), py::arg("block") = 0, py::arg("signs") = py::none(),
         py::arg("signs_first") = true, py::arg("isa") = "auto",
         "Normalized blockwise fast Walsh-Hadamard transform over the last dim, optional sign flip");
