@@ -122,7 +122,7 @@ class Generator:
         self.running: list[Job] = []
         self._backlog: list[Event] = []
         self._finished_now: list[Job] = []
-        self.stats = {"forward_passes": 0, "drafted": 0, "accepted": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        self.stats = {"forward_passes": 0, "drafted": 0, "accepted": 0, "prefill_tokens": 0, "decode_steps": 0}
 
     # -- public API -----------------------------------------------------------------------------------------------
 
@@ -302,7 +302,7 @@ class Generator:
                     run.t_first = time.perf_counter()
                     self._advance(j, lg[-1])
             else:
-                self.stats["decode_tokens"] += 1
+                self.stats["decode_steps"] += 1  # one per job per step (plus its drafts, if any)
                 d, q = drafts.get(j, ([], None))
                 if d:
                     self._verify(j, toks, lg, q)
