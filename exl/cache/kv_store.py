@@ -182,12 +182,13 @@ class ChannelQuantStore:
         for b in blocks:
             if self.is_open(b):
                 continue
-            if not self._free_rows:  # grow the staging area
+            if not self._free_rows:  # grow the staging area (a normal tensor even inside inference_mode)
                 n = max(4, self.stage.shape[2])
-                extra = torch.zeros(self.layers, self.heads, n, self.block, self.dim, dtype=self.stage.dtype,
-                                    device=self.stage.device)
-                self._free_rows = list(range(self.stage.shape[2] + n - 1, self.stage.shape[2] - 1, -1))
-                self.stage = torch.cat((self.stage, extra), 2)
+                with torch.inference_mode(False):
+                    extra = torch.zeros(self.layers, self.heads, n, self.block, self.dim, dtype=self.stage.dtype,
+                                        device=self.stage.device)
+                    self._free_rows = list(range(self.stage.shape[2] + n - 1, self.stage.shape[2] - 1, -1))
+                    self.stage = torch.cat((self.stage, extra), 2)
             row = self._free_rows.pop()
             self.stage_of[b] = row
             if restore:
