@@ -24,6 +24,15 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
 def scaled_attention(q, k, v, *, scale: float, mask: torch.Tensor | None = None, causal: bool = False,
                      softcap: float | None = None) -> torch.Tensor:
     """q: [B, Hq, Tq, D], k/v: [B, Hkv, Tk, D] -> [B, Hq, Tq, D]. GQA by head groups."""
+    if q.shape[2] == 1 and mask is None and q.device.type == "cpu":
+        # Decode: a single query row. Three small ops beat the CPU flash kernel, whose thread pool
+        # costs more than the work at this size (and stalls badly when cores are oversubscribed).
+        b, hq, _, d = q.shape
+        hkv = k.shape[1]
+        scores = (q.reshape(b, hkv, hq // hkv, d) @ k.transpose(-1, -2)) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        return (torch.softmax(scores, dim=-1) @ v).reshape(b, hq, 1, d)
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                               scale=scale, enable_gqa=k.shape[1] != q.shape[1])
