@@ -72,6 +72,9 @@ class ModelSection(_Section):
                                32, ge=1)
     max_chunk_size: int = _opt("--max-chunk-size", "prompt tokens processed per forward pass at most", 2048, ge=16)
     device: str | None = _opt("--device", "torch device, e.g. cuda:0 or cpu (default: cuda if available)")
+    tp: int = _opt("--tp", "tensor-parallel processes (one per GPU; see docs/parallel.md)", 1, ge=1, le=64)
+    gpu_split: str | None = _opt("--gpu-split", "GiB per device, e.g. 10,24: layer split alone, or the tensor "
+                                 "split's shares with --tp")
     tool_format: Literal["auto", "hermes", "llama3", "mistral", "none"] = _opt(
         "--tool-format", "how the model writes tool calls: hermes (<tool_call>{json}</tool_call>, Qwen, Hermes), "
         "llama3 ({\"name\", \"parameters\"}, <|python_tag|>), mistral ([TOOL_CALLS][...]), none; auto: guess from "
