@@ -58,7 +58,7 @@ def bench_cpu(args):
     print(f"CPU: {torch.get_num_threads()} threads, kernels {ext.isa_names()[-1]}, {args.bits}-bit codes, "
           f"group {args.group}")
     print(f"{'N x K':>12} {'rows':>5} {'path':>5} {'exl us':>9} {'F.linear us':>12} {'speedup':>8} {'GB/s':>7}")
-    for n, k in SHAPES:
+    for n, k in args.shapes or SHAPES:
         t = layer(n, k, args.bits, args.group)
         q = ext.QuantLinearCPU(t["qweight"], t["qscale"], t["qmeta"])
         w = torch.randn(n, k) * 0.02
@@ -66,7 +66,7 @@ def bench_cpu(args):
             if n * m > 49152 * 64 and m > 64:
                 continue  # lm_head runs on the last position only
             x = torch.randn(m, k)
-            paths = ["int8", "fp32"] if m < 8 else ["gemm"]
+            paths = args.paths or (["int8", "fp32"] if m < 8 else ["int8", "gemm"] if m <= 32 else ["gemm"])
             dense = best_time(lambda: torch.nn.functional.linear(x, w))
             for p in paths:
                 ours = best_time(lambda: q.forward(x, p))
@@ -107,6 +107,9 @@ def main():
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16, 512])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--shapes", type=lambda s: [tuple(int(d) for d in v.split("x")) for v in s.split(",")],
+                    default=None, help="N x K list, e.g. 576x1536,49152x576 (default: the SmolLM2 shapes)")
+    ap.add_argument("--paths", type=lambda s: s.split(","), default=None, help="e.g. int8,gemm (default by rows)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

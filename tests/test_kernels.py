@@ -140,8 +140,8 @@ def test_exact_inputs_give_exact_outputs(ext, isa, bits):
     segs = [F.Segment(96, bits, 32), F.Segment(128, bits, 64)]
     t = random_layer(21, segs, su=False, sv=False, bias=False, seed=bits, pow2_scales=True)
     g = torch.Generator().manual_seed(bits)
-    x = torch.randint(-126, 127, (3, 224), generator=g).float()
-    x.view(3, 7, 32)[:, :, 5] = 127.0  # block maxima at 127 (position 5 of each block in permuted order)
+    x = torch.randint(-126, 127, (17, 224), generator=g).float()
+    x.view(17, 7, 32)[:, :, 5] = 127.0  # block maxima at 127 (position 5 of each block in permuted order)
     x = x[:, torch.argsort(t["perm"].long())]  # so that u' = x[perm] has them
     want = exact_and_scale(x, t)[0].float()
     k = kernel(ext, t, isa)
@@ -149,6 +149,9 @@ def test_exact_inputs_give_exact_outputs(ext, isa, bits):
         assert torch.equal(k.forward(x, path), want), path
         for m in range(3):  # one row: the decode kernels (4 weight rows per step, 4-bit pair unpack)
             assert torch.equal(k.forward(x[m : m + 1], path), want[m : m + 1]), (path, m)
+    for path in ("int8", "fp32"):  # every small batch: weights unpacked once for all rows
+        for m in range(2, 18):
+            assert torch.equal(k.forward(x[17 - m :], path), want[17 - m :]), (path, m)
 
 
 @pytest.mark.parametrize("isa", isas())
@@ -194,6 +197,24 @@ def test_forward_mixed_segments_odd_n(ext, isa, mix, n):
     t = random_layer(n, MIXES[mix], seed=n)
     for path, m in (("int8", 1), ("int8", 7), ("fp32", 2), ("gemm", 19)):
         check(ext, t, m, path, isa, seed=m)
+
+
+SMALL_BATCH_MIXES = {
+    "all-widths": MIXES["all-widths"],
+    # more blocks than one unpack chunk (64 blocks), groups straddling the chunk boundary
+    "long-segments": [F.Segment(2304, 3, 96), F.Segment(2176, 4, 128), F.Segment(96, 8, 32)],
+}
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("mix", sorted(SMALL_BATCH_MIXES))
+def test_forward_every_small_batch(ext, isa, mix):
+    # the small-batch kernels tile the activation rows (up to 8 per tile, 16 per pass over the
+    # weights): every batch size 1..17 against the reference, odd N, all bit widths
+    t = random_layer(13, SMALL_BATCH_MIXES[mix], seed=5)
+    for m in range(1, 18):
+        for path in ("int8", "fp32"):
+            check(ext, t, m, path, isa, seed=m)
 
 
 @pytest.mark.parametrize("perm", [False, True])
