@@ -31,6 +31,10 @@ struct ActQ8 {
   const float* gsum;   // [M, n_groups]: sum over the group's blocks j of d[m, j] * sum(q[m, block j])
   const float* bsum;   // [M, K/32 + 8]: sum(q[m, block j]) as float, zero-padded by 8 blocks per row
   int64_t M;
+  // q in pair order (nullptr for one row): in each segment, blocks 2i and 2i+1 (counted from the
+  // segment's first block) are stored as [b lo16 | b+1 lo16 | b hi16 | b+1 hi16] (16-byte halves),
+  // an odd last block as is. The AVX2 small-batch kernels dot two blocks per vector this way.
+  const int8_t* qp;
 };
 
 struct Kernels {

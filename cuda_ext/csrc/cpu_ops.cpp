@@ -125,7 +125,7 @@ class QuantLinearCPU {
 
     // Scratch: kept per thread for small batches (decode calls this per layer per token), freed
     // after the call for large ones.
-    const size_t need = 64 * 8 + size_t(M) * K * sizeof(float) * 2 + size_t(M) * (K / kBlock + 8) * 12 +
+    const size_t need = 64 * 8 + size_t(M) * K * sizeof(float) * 2 + size_t(M) * K + size_t(M) * (K / kBlock + 8) * 12 +
                         size_t(M) * layer_.n_groups * 4;
     thread_local std::vector<uint8_t> small_buf;
     std::vector<uint8_t> large_buf;
@@ -174,7 +174,12 @@ class QuantLinearCPU {
           }
         }
       }
-      const ActQ8 a{q, d, gsum, bsumf, M};
+      int8_t* qp = nullptr;
+      if (M > 1) {
+        qp = scratch<int8_t>(buf, used, size_t(M) * K);
+        for (int64_t m = 0; m < M; ++m) pair_order(q + m * K, qp + m * K);
+      }
+      const ActQ8 a{q, d, gsum, bsumf, M, qp};
       at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { kernels_->gemv_q8(layer_, a, yp, N, n0, n1); });
     } else {
       // 2. u' = u[perm]
@@ -211,6 +216,24 @@ class QuantLinearCPU {
   static std::string env_isa() {
     const char* e = std::getenv("EXL_CPU_ISA");
     return e ? std::string(e) : std::string();
+  }
+
+  // One row of int8 activations in ActQ8::qp's pair order.
+  void pair_order(const int8_t* q, int8_t* out) const {
+    for (int s = 0; s < layer_.segs.count; ++s) {
+      const Segment& sg = layer_.segs.seg[s];
+      const int8_t* src = q + sg.k_start;
+      int8_t* dst = out + sg.k_start;
+      const int n_blocks = sg.k_len / kBlock;
+      int b = 0;
+      for (; b + 2 <= n_blocks; b += 2, src += 2 * kBlock, dst += 2 * kBlock) {
+        std::copy(src, src + 16, dst);
+        std::copy(src + 32, src + 48, dst + 16);
+        std::copy(src + 16, src + 32, dst + 32);
+        std::copy(src + 48, src + 64, dst + 48);
+      }
+      if (b < n_blocks) std::copy(src, src + kBlock, dst);
+    }
   }
 
   template <typename I>
