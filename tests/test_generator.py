@@ -206,6 +206,28 @@ def test_seed_reproduces_bit_for_bit(small):
     assert run(8) != first
 
 
+def test_seed_reproduces_cold_cached_and_batched(wide):
+    """The same seeded job (temperature 1) run cold, again with its prompt prefix cached, and as three copies in
+    one batch gives the same tokens. The logits of these runs differ in the last bits (cached vs uncached
+    prefill, batch shape); inverse-CDF sampling over 49k tokens turned that into a different token here, the
+    exponential race in `draw` does not (see docs/generator.md, "Reproducibility")."""
+    s = SamplerSettings(temperature=1.0)
+    p = prompts([100], vocab=49152, seed=5)[0]
+    gen = Generator(wide, PagedCache(wide, num_pages=64, page_size=8), None)
+
+    def run(n=1):
+        jobs = [Job(p, max_new_tokens=8, sampler=s, seed=3) for _ in range(n)]
+        events = run_all(gen, jobs)
+        return [j.generated for j in jobs], [events[j][-1].cached_tokens for j in jobs]
+
+    (cold,), (c0,) = run()
+    (cached,), (c1,) = run()
+    copies, _ = run(3)
+    assert c0 == 0 and c1 == len(p) - 1
+    assert len(set(cold)) > 3  # really sampled, not a constant
+    assert cached == cold and copies == [cold] * 3
+
+
 def test_min_new_tokens_holds_back_stop_tokens(small):
     gen = Generator(small, PagedCache(small, num_pages=8, page_size=8), None)
     stop = 17
@@ -265,6 +287,51 @@ def test_json_schema_constraint_always_parses(wide, tok):
         assert set(obj) == {"name", "age", "tags"} and isinstance(obj["name"], str) and len(obj["name"]) <= 10
         assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 150
         assert all(t in ("red", "green", "blue") for t in obj["tags"]) and len(obj["tags"]) <= 3
+
+
+# A regex whose mask lets through a token that llguidance then refuses to consume (found by the server engineer).
+BAD_REGEX = '\u00f7\x99\u00b1\u00b9\x01\u00f74\x078\x00\u00d5\x13 _\u00f5\u00da'
+
+
+def test_a_constraint_error_ends_only_its_job(wide, tok):
+    bad_c = RegexConstraint(tok, BAD_REGEX)
+    good_ids = tok.encode("Once upon a time", add_bos=False)
+
+    def good():
+        return Job(good_ids, max_new_tokens=16, sampler=GREEDY, return_logprobs=True, ignore_eos=True)
+
+    def bad():
+        return Job(tok.encode("hi", add_bos=False), max_new_tokens=20, constraint=bad_c, seed=0)
+
+    solo = good()
+    run_all(Generator(wide, PagedCache(wide, num_pages=32, page_size=16), tok), [solo])
+    cache = PagedCache(wide, num_pages=32, page_size=16)
+    gen = Generator(wide, cache, tok)
+    g, b = good(), bad()
+    events = run_all(gen, [g, b])
+    final = events[b][-1]
+    assert final.eos and final.eos_reason == "error" and "not allowed" in final.error
+    assert b.eos_reason == "error" and b.error == final.error
+    assert sum(e.eos for e in events[b]) == 1
+    assert events[g][-1].eos_reason == "max_new_tokens" and events[g][-1].error is None
+    assert g.generated == solo.generated and g.text == solo.text
+    assert cache.pages_in_use == 0 and cache.reserved == 0
+
+    async def main():  # the same under AsyncGenerator: the worker keeps serving everyone
+        agen = AsyncGenerator(Generator(wide, PagedCache(wide, num_pages=32, page_size=16), tok))
+
+        async def consume(job):
+            return [ev async for ev in AsyncJob(agen, job)]
+
+        evs = await asyncio.gather(consume(good()), consume(bad()))
+        after = await consume(good())
+        await agen.close()
+        return evs, after, agen.error
+
+    (g_evs, b_evs), after, err = asyncio.run(main())
+    assert b_evs[-1].eos_reason == "error" and err is None
+    for evs in (g_evs, after):
+        assert [t for e in evs for t in e.token_ids] == solo.generated and evs[-1].eos_reason == "max_new_tokens"
 
 
 def test_top_logprobs_and_text_events(wide, tok):
@@ -358,6 +425,43 @@ def test_async_generator_streams_and_cancels(small):
     for (toks, last), p in zip(results, ps):
         assert toks == reference_greedy(small, p, 8)[0] and last.eos_reason == "max_new_tokens"
     assert reason == "cancelled" and gen.cache.pages_in_use == 0
+
+
+def test_async_worker_failure_ends_every_job_and_is_reported(small):
+    """An unexpected exception in the worker thread (injected into the forward pass here): running and queued
+    jobs all get a final error event, and the next submit raises with the original exception as its cause."""
+    gen = Generator(small, PagedCache(small, num_pages=64, page_size=8), None, max_batch_size=2)
+    boom = RuntimeError("injected forward failure")
+    forward, calls = gen._forward, []
+
+    def failing_forward(segments):
+        calls.append(1)
+        if len(calls) == 4:
+            raise boom
+        return forward(segments)
+
+    gen._forward = failing_forward
+    ps = prompts([10, 20, 5, 7, 9], seed=13)
+
+    async def main():
+        agen = AsyncGenerator(gen)
+
+        async def consume(p):
+            return [ev async for ev in AsyncJob(agen, Job(p, max_new_tokens=50, sampler=GREEDY))]
+
+        results = await asyncio.wait_for(asyncio.gather(*(consume(p) for p in ps)), timeout=60)
+        with pytest.raises(RuntimeError, match="generator thread failed") as info:
+            AsyncJob(agen, Job(ps[0], max_new_tokens=3))
+        await agen.close()
+        return results, agen.error, info.value
+
+    results, error, raised = asyncio.run(main())
+    assert error is boom and raised.__cause__ is boom
+    for evs in results:
+        final = evs[-1]
+        assert final.eos and final.eos_reason == "error" and "injected forward failure" in final.error
+        assert sum(e.eos for e in evs) == 1
+    assert gen.cache.pages_in_use == 0
 
 
 # -- the real model --------------------------------------------------------------------------------------------------

@@ -15,12 +15,16 @@ import queue
 import threading
 
 from exl.generator.generator import Generator
-from exl.generator.job import Job
+from exl.generator.job import Event, Job
 
 
 class AsyncGenerator:
     """Owns a Generator and drives it from one worker thread. Safe to use from any number of coroutines
-    (and event loops): requests are passed to the worker through a queue."""
+    (and event loops): requests are passed to the worker through a queue.
+
+    A job that fails on its own ends with an event whose eos_reason is "error" (others run on). If the worker
+    thread itself dies, every queued and running job gets such a final event, `error` holds the exception and
+    the next submit raises RuntimeError caused by it."""
 
     def __init__(self, generator: Generator):
         self.generator = generator
@@ -28,20 +32,26 @@ class AsyncGenerator:
         self._wake = threading.Event()
         self._listeners: dict[int, "AsyncJob"] = {}
         self._closed = False
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # why the worker thread died, if it did
+        self._lock = threading.Lock()  # orders submit() against the worker's failure handling
         self._thread = threading.Thread(target=self._loop, name="exl-generator", daemon=True)
         self._thread.start()
 
     # -- called from coroutines -----------------------------------------------------------------------------------
 
     def submit(self, async_job: "AsyncJob") -> None:
+        self.generator.validate(async_job.job)  # bad jobs fail here, in the caller
+        with self._lock:
+            self._check()
+            self._requests.put(("enqueue", async_job))
+        self._wake.set()
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the generator thread failed ({self.error!r}); make a new AsyncGenerator") \
+                from self.error
         if self._closed:
             raise RuntimeError("AsyncGenerator is closed")
-        if self.error is not None:
-            raise RuntimeError(f"the generator thread failed: {self.error!r}") from self.error
-        self.generator.validate(async_job.job)  # bad jobs fail here, in the caller
-        self._requests.put(("enqueue", async_job))
-        self._wake.set()
 
     def request_cancel(self, async_job: "AsyncJob") -> None:
         self._requests.put(("cancel", async_job))
@@ -105,15 +115,47 @@ class AsyncGenerator:
                 else:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
-        except BaseException as e:  # noqa: BLE001 - every waiting consumer gets the error
-            self.error = e
-            for aj in list(self._listeners.values()):
-                aj._deliver(e)
-            self._listeners.clear()
+        except BaseException as e:  # noqa: BLE001 - every waiting consumer gets a final error event
+            self._fail_all(e)
         finally:
-            for aj in list(self._listeners.values()):
+            with self._lock:
+                self._closed = True
+                left = list(self._listeners.values()) + self._take_queued()
+            for aj in left:
                 aj._deliver(RuntimeError("AsyncGenerator closed"))
             self._listeners.clear()
+
+    def _take_queued(self) -> list["AsyncJob"]:
+        """Remove and return the jobs whose enqueue request the worker has not taken yet."""
+        out = []
+        while True:
+            try:
+                kind, aj = self._requests.get_nowait()
+            except queue.Empty:
+                return out
+            if kind == "enqueue":
+                out.append(aj)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """The worker is dying: end every running and still-queued job with an error event, so none hangs."""
+        with self._lock:  # after this, submit() raises instead of queueing
+            self.error = error
+            pending = self._take_queued()
+        try:  # free the pages if the generator still can
+            self.generator.cancel_all()
+            self.generator.iterate()
+        except Exception:  # noqa: BLE001 - best effort; the error events go out regardless
+            pass
+        message = f"the generator thread failed: {type(error).__name__}: {error}"
+        for aj in list(self._listeners.values()) + pending:
+            aj._deliver(_error_event(aj.job, message))
+        self._listeners.clear()
+
+
+def _error_event(job: Job, message: str) -> Event:
+    job.status, job.eos_reason, job.error = "done", "error", message
+    return Event(job=job, identifier=job.identifier, eos=True, eos_reason="error", error=message,
+                 prompt_tokens=len(job.input_ids), new_tokens=len(job.generated))
 
 
 class _Done:

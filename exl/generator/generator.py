@@ -293,24 +293,31 @@ class Generator:
             return
         logits = self._forward(segments)
         for (j, toks, kind), lg in zip(segments, logits):
-            run = j._run
-            if kind == "prefill":
-                self.cache.commit(run.table, toks, share=True)
-                self.stats["prefill_tokens"] += len(toks)
-                if run.table.length == run.prompt_len:
-                    j.status = "decode"
-                    run.t_first = time.perf_counter()
-                    self._advance(j, lg[-1])
-            else:
-                self.stats["decode_steps"] += 1  # one per job per step (plus its drafts, if any)
-                d, q = drafts.get(j, ([], None))
-                if d:
-                    self._verify(j, toks, lg, q)
-                else:
-                    self.cache.commit(run.table, toks, share=False)
-                    self._advance(j, lg[-1])
+            try:
+                self._consume(j, toks, kind, lg, drafts)
+            except Exception as e:  # noqa: BLE001 - a per-job failure (e.g. a constraint) ends only that job
+                self._fail(j, e)
             if j.status == "done":
                 self._finished_now.append(j)
+
+    def _consume(self, j: Job, toks: list[int], kind: str, lg, drafts: dict) -> None:
+        """Take one segment's forward-pass results: commit its K/V, sample (and verify drafts)."""
+        run = j._run
+        if kind == "prefill":
+            self.cache.commit(run.table, toks, share=True)
+            self.stats["prefill_tokens"] += len(toks)
+            if run.table.length == run.prompt_len:
+                j.status = "decode"
+                run.t_first = time.perf_counter()
+                self._advance(j, lg[-1])
+        else:
+            self.stats["decode_steps"] += 1  # one per job per step (plus its drafts, if any)
+            d, q = drafts.get(j, ([], None))
+            if d:
+                self._verify(j, toks, lg, q)
+            else:
+                self.cache.commit(run.table, toks, share=False)
+                self._advance(j, lg[-1])
 
     def _forward(self, segments) -> list[torch.Tensor | None]:
         """One packed forward pass; returns per segment the logits rows it needs ([n, V]) or None."""
@@ -447,6 +454,8 @@ class Generator:
     def _take(self, job: Job, token: int, logits: torch.Tensor) -> None:
         """Append a sampled token: stop conditions, text, banned strings, constraint, logprobs."""
         run = job._run
+        if run.constraint is not None and token not in run.stop_tokens:
+            run.constraint.advance(token)  # raises (ending the job) before a rejected token joins the output
         run.buf[run.n] = token
         run.n += 1
         job.generated.append(token)
@@ -456,8 +465,6 @@ class Generator:
         if token in run.stop_tokens:
             self._finish(job, "stop_token", stop_token=token)
             return
-        if run.constraint is not None:
-            run.constraint.advance(token)
         logprob = top = None
         if job.return_logprobs or job.return_top_tokens:
             lp = torch.log_softmax(logits[: self.vocab].float(), 0)
@@ -563,10 +570,11 @@ class Generator:
             self._release(run, run.held)
         run.held_text, run.held = "", []
         run.t_end = time.perf_counter()
+        share = reason not in ("cancelled", "error")
         if run.table is not None:
-            self.cache.close(run.table, share=reason != "cancelled")
+            self.cache.close(run.table, share=share)
         if run.draft_table is not None:
-            self.draft_cache.close(run.draft_table, share=reason != "cancelled")
+            self.draft_cache.close(run.draft_table, share=share)
         if job in self.running:
             self.running.remove(job)
         job.status, job.eos_reason = "done", reason
@@ -578,6 +586,18 @@ class Generator:
         ev.time_total = run.t_end - run.t_enqueue
         ev.tokens_per_second = (new - 1) / (run.t_end - first) if new > 1 and run.t_end > first else None
         ev.drafted_tokens, ev.accepted_draft_tokens = run.drafted, run.accepted
+
+    def _fail(self, job: Job, error: Exception) -> None:
+        """End one job because of an error in its own processing (a constraint the model's token broke...):
+        its final event has eos_reason "error" and the message in `error`; its pages are freed, others go on."""
+        if job.status == "done":
+            return
+        message = f"{type(error).__name__}: {error}"
+        try:
+            self._finish(job, "error")
+        except Exception:  # noqa: BLE001 - the text could not be flushed; end it without
+            self._finish(job, "error", flush=False)
+        job.error = job._run.ev().error = message
 
     def _take_event(self, job: Job) -> Event:
         ev = job._run.ev()

@@ -10,7 +10,7 @@ import torch
 
 from exl.generator.sampling import SamplerSettings
 
-EOS_REASONS = ("stop_token", "stop_string", "max_new_tokens", "cancelled", "constraint")
+EOS_REASONS = ("stop_token", "stop_string", "max_new_tokens", "cancelled", "constraint", "error")
 _ids = itertools.count()
 
 
@@ -80,6 +80,7 @@ class Job:
         self.status = "new"  # new -> waiting -> prefill -> decode -> done
         self.generated: list[int] = []
         self.eos_reason: str | None = None
+        self.error: str | None = None  # why the job ended with eos_reason "error"
         self.text = ""  # all text emitted so far
 
     @property
@@ -94,7 +95,8 @@ class Job:
 @dataclass
 class Event:
     """What happened to one job in one `iterate()`: new text and tokens, and on the last event the end reason
-    and timings. Readable as attributes or like a dict (`event["text"]`)."""
+    and timings (eos_reason "error": this job failed on its own, e.g. a constraint, and `error` says why).
+    Readable as attributes or like a dict (`event["text"]`)."""
 
     job: Job
     identifier: Any = None
@@ -114,6 +116,7 @@ class Event:
     tokens_per_second: float | None = None
     drafted_tokens: int | None = None
     accepted_draft_tokens: int | None = None
+    error: str | None = None  # with eos_reason "error": what went wrong (only this job ended)
 
     def __getitem__(self, key: str):
         return getattr(self, key)

@@ -3,7 +3,7 @@
 `process` applies, in order: logit bias, banned / masked tokens, repetition / frequency / presence
 penalties over the last `penalty_range` tokens, DRY, then (unless greedy) temperature, top-k, top-p,
 min-p, typical, XTC (temperature after the truncations when `temperature_last`). It returns the final
-distribution as probabilities; `draw` picks a token from it with inverse-CDF sampling driven by a
+distribution as probabilities; `draw` picks a token from it with an exponential race driven by a
 `torch.Generator`, so a seed reproduces a run bit for bit.
 """
 
@@ -221,14 +221,13 @@ def process(logits: torch.Tensor, state: SamplerState, context: np.ndarray, rng:
 
 
 def draw(probs: torch.Tensor, rng: torch.Generator) -> int:
-    """A token from `probs` by inverse CDF on one uniform number from rng (deterministic per seed)."""
-    cdf = torch.cumsum(probs, 0)
-    u = torch.rand((), generator=rng, dtype=cdf.dtype) * cdf[-1]
-    idx = int(torch.searchsorted(cdf, u, right=True))
-    idx = min(idx, probs.numel() - 1)
-    while probs[idx] == 0 and idx > 0:  # u landed on the edge of a zero-width bin
-        idx -= 1
-    return idx
+    """A token from `probs` by an exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) drawn from rng, which picks
+    token i with probability exactly p_i (deterministic per seed). Unlike inverse CDF over a cumulative sum (where
+    rounding differences pile up across the whole vocabulary), a last-bit change in the probabilities, such as
+    logits of a cached vs an uncached prefill or of another batch shape, only changes the choice when the two
+    leading contenders tie to that precision, so such reruns almost always draw the same token."""
+    e = -torch.log(torch.rand(probs.shape, generator=rng, dtype=torch.float64))  # u == 0 gives inf: never wins
+    return int(torch.argmax(probs.double() / e))
 
 
 def sample(probs: torch.Tensor, greedy: bool, rng: torch.Generator) -> int:
