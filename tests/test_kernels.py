@@ -233,7 +233,7 @@ def test_forward_shapes_and_batches(ext, k, m):
     layer = kernel(ext, t)
     x = torch.randn(m, k)
     want = exact_and_scale(x, t)[0]
-    auto = layer.forward(x).double()  # int8 GEMV below 8 rows, GEMM from there
+    auto = layer.forward(x).double()  # int8 GEMV up to 16 rows, GEMM from 17
     assert torch.allclose(auto, want, rtol=0.05, atol=0.05 * want.abs().max().item())
     check(ext, t, m, "int8")
     check(ext, t, m, "fp32")
@@ -268,6 +268,14 @@ def test_quant_linear_module_dispatch_and_storage(ext):
     assert torch.allclose(exact, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     big = torch.randn(40, 192)  # GEMM path
     assert torch.allclose(layer(big), F.reference_forward(big, t), rtol=1e-4, atol=1e-4)
+    # the default cutover: int8 GEMV up to 16 rows, GEMM from 17; exact: fp32 GEMV below 8 rows
+    k = layer.kernel()
+    for m, path in ((16, "int8"), (17, "gemm")):
+        xm = torch.randn(m, 192)
+        assert torch.equal(layer(xm), k.forward(xm, path)), m
+    for m, path in ((7, "fp32"), (8, "gemm")):
+        xm = torch.randn(m, 192)
+        assert torch.equal(QuantLinear(t, exact=True)(xm), k.forward(xm, path)), m
     bf = layer(x.bfloat16())
     assert bf.dtype == torch.bfloat16
     # a state_dict round trip rebuilds the kernel object from the new buffers

@@ -316,7 +316,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     const std::string&>(),
            py::arg("qweight"), py::arg("qscale"), py::arg("qmeta"), py::arg("perm") = py::none(),
            py::arg("su") = py::none(), py::arg("sv") = py::none(), py::arg("bias") = py::none(), py::arg("isa") = "")
-      .def("forward", &QuantLinearCPU::forward, py::arg("x"), py::arg("path") = "auto", py::arg("gemm_min_rows") = 8, py::arg("exact") = false,
+      .def("forward", &QuantLinearCPU::forward, py::arg("x"), py::arg("path") = "auto", py::arg("gemm_min_rows") = 17, py::arg("exact") = false,
            py::call_guard<py::gil_scoped_release>())
       .def("dequantize", &QuantLinearCPU::dequantize)
       .def_property("isa", &QuantLinearCPU::isa, &QuantLinearCPU::set_isa)

@@ -5,8 +5,8 @@ The module holds only the stored tensors (`qweight`, `qscale`, `qmeta` and the o
 
 - the CUDA extension for float16 inputs on a GPU (fused GEMV up to 8 rows, cuBLAS above);
 - the CPU extension for float32 inputs on the CPU: a fused GEMV with int8-quantized activations
-  for fewer than `gemm_min_rows` rows (or exact fp32 when `exact=True`), and tile-wise dequant +
-  BLAS GEMM for more;
+  for fewer than `gemm_min_rows` rows (or exact fp32 when `exact=True`; either reads the packed
+  weights once for up to 16 rows), and tile-wise dequant + BLAS GEMM for more;
 - `exl.format.reference_forward` when no extension can be built (warned once by cuda_ext).
 """
 
@@ -20,6 +20,9 @@ from exl import format as F
 
 REQUIRED = ("qweight", "qscale", "qmeta")
 OPTIONAL = ("perm", "su", "sv", "bias")
+# CPU batch sizes from which dequant + BLAS GEMM beats the fused GEMV (measured, docs/benchmarks.md)
+GEMM_MIN_ROWS_INT8 = 17
+GEMM_MIN_ROWS_EXACT = 8
 
 
 def _default_exact() -> bool:
@@ -35,11 +38,13 @@ class QuantLinear(torch.nn.Module):
         exact: CPU only. False (default; env EXL_CPU_EXACT=1 flips it): small batches multiply
             int8-quantized activations (per 32 channels, like llama.cpp's Q8_0), adding a relative
             output error of about 0.5% RMS; True: fp32 activations throughout.
-        gemm_min_rows: CPU only. From this many input rows on, use dequant + BLAS GEMM (the int8
-            GEMV costs about the same per row at any batch; GEMM wins from ~8 rows).
+        gemm_min_rows: CPU only. From this many input rows on, use dequant + BLAS GEMM. Default:
+            17 for int8 activations (the int8 kernel matches or beats GEMM up to 16 rows on the
+            SmolLM2 shapes, docs/benchmarks.md), 8 with `exact=True` (the fp32 GEMV's cost per
+            row is about GEMM's from 8 rows on).
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], *, exact: bool | None = None, gemm_min_rows: int = 8):
+    def __init__(self, tensors: dict[str, torch.Tensor], *, exact: bool | None = None, gemm_min_rows: int | None = None):
         super().__init__()
         missing = [k for k in REQUIRED if k not in tensors]
         unknown = sorted(set(tensors) - set(REQUIRED) - set(OPTIONAL))
@@ -56,7 +61,7 @@ class QuantLinear(torch.nn.Module):
         self.out_features, self.in_features = F.layer_shape(tensors)
         self.bits_per_weight = F.bits_per_weight(tensors)
         self.exact = _default_exact() if exact is None else exact
-        self.gemm_min_rows = gemm_min_rows
+        self.gemm_min_rows = gemm_min_rows or (GEMM_MIN_ROWS_EXACT if self.exact else GEMM_MIN_ROWS_INT8)
         self._kernel = None  # the extension's layer object (False: none), built on first forward
 
     def tensors(self) -> dict[str, torch.Tensor]:
