@@ -23,8 +23,10 @@ from exl.server.schemas import MAX_STOP, SamplingRequest
 
 log = logging.getLogger("exl.server")
 
+# OpenAI has no "error" finish reason: a job the generator ended on a per-job error (e.g. a constraint
+# the tokenizer cannot satisfy) is reported as "stop" with the text it produced, and logged.
 FINISH = {"stop_token": "stop", "stop_string": "stop", "constraint": "stop", "max_new_tokens": "length",
-          "cancelled": "cancelled"}
+          "cancelled": "cancelled", "error": "stop"}
 
 
 @dataclass
@@ -315,6 +317,9 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing") -> As
             timing.tokens(index, len(event.token_ids or []))
             if event.eos:
                 ended.add(index)
+                if event.eos_reason == "error":
+                    log.warning("choice %d ended early on a generator error: %s", index,
+                                getattr(event, "error", None) or "unknown")
                 finish = FINISH.get(event.eos_reason or "", "stop")
                 metrics.requests.labels(finish).inc()
                 metrics.generation_tokens.inc(event.new_tokens or 0)
