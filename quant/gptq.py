@@ -43,7 +43,7 @@ def inverse_cholesky(h: torch.Tensor, damp: float = 0.01, retries: int = 6) -> t
     """
     h = h.to(torch.float64)
     mean = float(h.diagonal().mean())
-    if not mean > 0 or not torch.isfinite(h).all():
+    if not mean > 0 or not bool(torch.isfinite(h.sum())):
         raise HessianError("the Hessian is zero or not finite")
     eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     for _ in range(retries):
@@ -51,7 +51,7 @@ def inverse_cholesky(h: torch.Tensor, damp: float = 0.01, retries: int = 6) -> t
         if int(info) == 0:
             hinv = torch.cholesky_inverse(l)
             u, info = torch.linalg.cholesky_ex(hinv, upper=True)
-            if int(info) == 0 and torch.isfinite(u).all():
+            if int(info) == 0 and bool(torch.isfinite(u.diagonal().sum())):
                 return u.to(torch.float32), damp
         damp *= 10
     raise HessianError(f"the Hessian is not positive definite even with damping {damp / 10:g}")

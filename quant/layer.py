@@ -21,6 +21,7 @@ import torch
 from exl import format as F
 from exl.format import hadamard_block
 from quant.candidates import Setting, candidates, storage_bits
+from quant.hadamard import fwht
 from quant.gptq import ALPHAS, HessianError, gptq, inverse_cholesky, one_thread
 from quant.options import QuantOptions
 from quant.pack import layer_tensors
@@ -151,7 +152,7 @@ def unrotate(p, q: torch.Tensor) -> torch.Tensor:
     else:
         w = q
     if p.su is not None:
-        w = F.fwht(w) * p.su
+        w = fwht(w) * p.su
     if p.sv is not None:
-        w = p.sv[:, None] * F.fwht(w.T).T
+        w = p.sv[:, None] * fwht(w.T).T
     return w

@@ -84,7 +84,7 @@ def fisher_pass(src: SourceModel, wd: WorkDir, ids: torch.Tensor, seed: int, pro
         block, _ = src.block(i)
         with torch.inference_mode():
             h = block(h, _ctx(h))
-        if not torch.isfinite(h).all():
+        if not bool(torch.isfinite(h.sum())):
             raise CalibrationFailure(f"block {i}: NaN/inf activations on the calibration rows used for the Fisher "
                                      "pass; the checkpoint looks broken (or use other calibration data, -c)")
         wd.save_tensors(f"fisher/in_{i + 1:03d}.safetensors", {"h": h})

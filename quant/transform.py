@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from exl.format import fwht
+from quant.hadamard import fwht
 
 
 @dataclass(frozen=True)

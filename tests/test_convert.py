@@ -297,18 +297,21 @@ def test_cli_help():
 def test_real_model_end_to_end(smollm_dir, tmp_path):
     """SmolLM2-135M with little calibration: the whole pipeline on the real architecture and sizes."""
     out = tmp_path / "smol"
-    job = Job(input=str(smollm_dir), output=str(out), bits=3.5, rows=3, length=256,
-              options=QuantOptions(measure_rows=32, fisher_rows=1))
+    job = Job(input=str(smollm_dir), output=str(out), bits=4.0, rows=2, length=256,
+              options=QuantOptions(measure_rows=32, fisher_rows=1, transform="su+perm"))
     report = convert(job, progress=False)
-    assert abs(report["measured_bpw"] - 3.5) <= 0.02
+    assert abs(report["measured_bpw"] - 4.0) <= 0.02
     bits, weights, _ = quant_layer_bits(out)
     assert weights == 30 * (2 * 576 * 576 + 2 * 192 * 576 + 3 * 576 * 1536)
     assert bits / weights == pytest.approx(report["measured_bpw"], abs=1e-6)
-    model = exl.load_model(out, progress=False)
+    model, ref = exl.load_model(out, progress=False), exl.load_model(smollm_dir, progress=False)
+    from calibration.evaltext import eval_tokens
     from exl.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(out)
     ids = torch.tensor([tok.encode("The capital of France is Paris. The capital of Germany is")])
-    logits = model(ids)[0, -1]
-    assert tok.decode([int(logits.argmax())]).strip() == "Berlin"
-    assert report["eval"]["kl"] < 0.5
+    top = model(ids)[0, -1].topk(3).indices.tolist()
+    assert tok.encode(" Berlin")[0] in top
+    text = torch.tensor(eval_tokens(tok)[:512]).view(2, 256)  # held-out text
+    lq, lr = torch.log_softmax(model(text), -1), torch.log_softmax(ref(text), -1)
+    assert float((lr.exp() * (lr - lq)).sum(-1).mean()) < 0.3

@@ -249,3 +249,11 @@ def test_more_bits_never_predicts_more_loss():
     kls = [optimize(layers, b)["predicted_kl"] for b in (2.5, 3.0, 3.5, 4.0, 5.0, 6.0)]
     assert all(a > b for a, b in zip(kls, kls[1:]))
     assert math.isfinite(kls[0])
+
+
+def test_matmul_hadamard_equals_format_fwht():
+    from quant.hadamard import fwht
+
+    for n in (32, 96, 576, 1536, 4096):
+        x = torch.randn(3, n, dtype=torch.float64)
+        assert torch.allclose(fwht(x), F.fwht(x), atol=1e-12)
