@@ -65,25 +65,33 @@ def rotated_model(seed: int = 0) -> Path:
 
 
 class Evaluator:
-    """Perplexity and KL-divergence over fixed windows against stored reference log-probabilities."""
+    """Perplexity and KL-divergence over fixed windows against stored reference log-probabilities.
+
+    A model is a function from token ids [B, T] to logits [B, T, V]; `batch` windows go in at once."""
 
     def __init__(self, tokens, ctx: int, n_windows: int):
         self.windows = windows(tokens, ctx, n_windows)
         self.refs: dict[str, list[torch.Tensor]] = {}
 
-    def reference(self, key: str, logits_fn) -> dict:
-        self.refs[key] = [torch.log_softmax(logits_fn(w).float(), -1)[:-1] for w in self.windows]
-        return self.evaluate(logits_fn, key)
+    def _logprobs(self, logits_fn, batch: int):
+        for i in range(0, len(self.windows), batch):
+            ids = self.windows[i : i + batch]
+            for w, lp in zip(ids, torch.log_softmax(logits_fn(ids).float(), -1)):
+                yield w, lp[:-1]
+
+    def reference(self, key: str, logits_fn, batch: int = 1) -> dict:
+        self.refs[key] = [lp for _, lp in self._logprobs(logits_fn, batch)]
+        return self.evaluate(lambda ids: None, key, ref_only=True)
 
     def cross_kld(self, a: str, b: str) -> float:
         """Mean KL(ref a ‖ ref b): how far two implementations' float32 runs are apart."""
         kl = sum(float((p.exp() * (p - q)).sum()) for p, q in zip(self.refs[a], self.refs[b]))
         return kl / sum(p.shape[0] for p in self.refs[a])
 
-    def evaluate(self, logits_fn, ref_key: str) -> dict:
+    def evaluate(self, logits_fn, ref_key: str, batch: int = 1, ref_only: bool = False) -> dict:
         nll, kld, n = 0.0, 0.0, 0
-        for w, ref in zip(self.windows, self.refs[ref_key]):
-            lp = torch.log_softmax(logits_fn(w).float(), -1)[:-1]
+        pairs = (zip(self.windows, self.refs[ref_key]) if ref_only else self._logprobs(logits_fn, batch))
+        for (w, lp), ref in zip(pairs, self.refs[ref_key]):
             nll -= float(lp.gather(-1, w[1:, None]).sum())
             kld += float((ref.exp() * (ref - lp)).sum())
             n += w.numel() - 1
@@ -95,7 +103,7 @@ def exl_logits(folder):
 
     @torch.inference_mode()
     def fn(ids):
-        return model(ids[None])[0]
+        return model(ids)
 
     return fn
 
@@ -107,10 +115,10 @@ def llama_logits(gguf, ctx):
 
     llm = llamacpp.load(gguf, threads=torch.get_num_threads(), n_ctx=ctx, n_batch=ctx, logits_all=True)
 
-    def fn(ids):
+    def fn(ids):  # one window at a time: [1, T]
         llm.reset()
-        llm.eval(ids.tolist())
-        return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+        llm.eval(ids[0].tolist())
+        return torch.from_numpy(np.array(llm.scores[: ids.shape[1]], dtype=np.float32))[None]
 
     return fn
 
@@ -145,7 +153,8 @@ def llama_cpp_model(rot: Path, qtype: str) -> Path:
     return out
 
 
-def exl_model(rot: Path, label: str, bits: float, measurement: Path | None = None, fresh=False, **options) -> Path:
+def exl_model(rot: Path, label: str, bits: float, measurement: Path | None = None, fresh=False, work=None,
+              **options) -> Path:
     from quant.convert import Job, convert
     from quant.options import QuantOptions
 
@@ -156,7 +165,7 @@ def exl_model(rot: Path, label: str, bits: float, measurement: Path | None = Non
         shutil.rmtree(out)
     if not (out / "quantization_report.json").is_file():
         job = Job(input=str(rot), output=str(out), bits=bits, options=QuantOptions(**options),
-                  measurement=str(measurement) if measurement else None)
+                  measurement=str(measurement) if measurement else None, work=str(work) if work else None)
         t = time.time()
         convert(job, resume=out.exists(), progress=True)
         print(f"[{label}] converted in {time.time() - t:.0f} s", flush=True)
@@ -171,34 +180,31 @@ def report_of(folder: Path) -> dict:
 # the run
 
 
-def plan(quick: bool) -> tuple[list[str], list[dict]]:
-    """(llama.cpp types, exl variants). An exl variant: label, bits, options, group (table section)."""
-    types = QUICK_TYPES if quick else LLAMA_TYPES
-    main = [dict(label=f"exl-{b}", bits=b, group="exl (mixed precision)") for b in
-            ((4.0, 3.0) if quick else (4.0, 2.5, 3.0, 3.5, 4.25, 4.5, 4.53, 5.0, 5.5, 6.0, 8.5))]
-    if quick:
-        return types, main
-    uniform = [dict(label=f"exl-uniform-{s.replace('/', '')}", bits=0, fixed=s, group="exl, one setting for every matrix")
-               for s in ("3b/g128", "4b/g128", "4b/g32", "5b/g128")]
-    baselines = [
-        dict(label="rtn-4b-g32", bits=0, fixed="4b/g32", method="rtn", transform="none", scale_search=False,
-             sensitivity="mse", group="baselines (uniform)", note="round-to-nearest, max-abs scales"),
-        dict(label="rtn-4b-g128", bits=0, fixed="4b/g128", method="rtn", transform="none", scale_search=False,
-             sensitivity="mse", group="baselines (uniform)", note="round-to-nearest, max-abs scales"),
-        dict(label="gptq-4b-g128", bits=0, fixed="4b/g128", method="gptq", transform="perm", scale_search=False,
-             sensitivity="mse", group="baselines (uniform)", note="GPTQ, act-order, max-abs scales"),
-        dict(label="gptq-3b-g128", bits=0, fixed="3b/g128", method="gptq", transform="perm", scale_search=False,
-             sensitivity="mse", group="baselines (uniform)", note="GPTQ, act-order, max-abs scales"),
-    ]
-    ablations = [dict(label=f"ablate-{k}", bits=4.0, group="ablations at 4.0 bpw (one technique off)", note=note, **opt)
-                 for k, note, opt in (
-                     ("hadamard", "no Hadamard rotations (act-order only)", {"transform": "perm"}),
-                     ("scalesearch", "max-abs scales (no clipping search)", {"scale_search": False}),
-                     ("fisher", "unweighted output error instead of Fisher sensitivity", {"sensitivity": "mse"}),
-                     ("sequential", "Hessians from the unquantized model's activations", {"sequential": False}),
-                     ("mixes", "no mixed widths inside a matrix", {"mixes": False}),
-                 )]
-    return types, main + uniform + baselines + ablations
+def uniform_variants() -> list[dict]:
+    return [dict(label=f"exl-uniform-{s.replace('/', '')}", bits=0, fixed=s, group="exl, one setting for every matrix")
+            for s in ("3b/g128", "4b/g128", "4b/g32", "5b/g128")]
+
+
+def baseline_variants() -> list[dict]:
+    rtn = dict(method="rtn", transform="none", scale_search=False, sensitivity="mse", group="baselines (uniform)",
+               note="round-to-nearest, max-abs scales")
+    gptq = dict(method="gptq", transform="perm", scale_search=False, sensitivity="mse", group="baselines (uniform)",
+                note="GPTQ, act-order, max-abs scales")
+    return [dict(label="rtn-4b-g32", bits=0, fixed="4b/g32", **rtn), dict(label="rtn-4b-g128", bits=0, fixed="4b/g128", **rtn),
+            dict(label="gptq-4b-g128", bits=0, fixed="4b/g128", **gptq),
+            dict(label="gptq-3b-g128", bits=0, fixed="3b/g128", **gptq)]
+
+
+def ablation_variants() -> list[dict]:
+    return [dict(label=f"ablate-{k}", bits=4.0, group="ablations at 4.0 bpw (one technique off)", note=note, **opt)
+            for k, note, opt in (
+                ("hadamard", "no Hadamard rotations (act-order only)", {"transform": "perm"}),
+                ("sv", "input-side Hadamard only (su+perm for every matrix)", {"transform": "su+perm"}),
+                ("scalesearch", "max-abs scales (no clipping search)", {"scale_search": False}),
+                ("fisher", "unweighted output error instead of Fisher sensitivity", {"sensitivity": "mse"}),
+                ("sequential", "Hessians from the unquantized model's activations", {"sequential": False}),
+                ("mixes", "no mixed widths inside a matrix", {"mixes": False}),
+            )]
 
 
 def run(args) -> dict:
@@ -212,49 +218,65 @@ def run(args) -> dict:
     rows = results["rows"] = []
 
     t = time.time()
-    ref = ev.reference("exl", exl_logits(rot))
+    ref = ev.reference("exl", exl_logits(rot), batch=4)
     rows.append(dict(group="reference", label="exl float32", bpw=32.0, head="F32", **ref))
     print(f"reference: ppl {ref['ppl']:.3f} ({time.time() - t:.0f} s)", flush=True)
 
-    types, variants = plan(args.quick)
+    llama_sizes = {}
     if not args.skip_llamacpp:
         f32 = llama_cpp_model(rot, "F32")
         ref_l = ev.reference("llama.cpp", llama_logits(f32, args.ctx))
         rows.append(dict(group="reference", label="llama.cpp F32", bpw=32.0, head="F32", **ref_l,
                          note=f"KLD vs exl float32: {ev.cross_kld('exl', 'llama.cpp'):.5f}"))
-        for q in types:
+        for q in QUICK_TYPES if args.quick else LLAMA_TYPES:
             path = llama_cpp_model(rot, q)
             r = ev.evaluate(llama_logits(path, args.ctx), "llama.cpp")
-            rows.append(dict(group="llama.cpp (token embedding F16, head Q8_0)", label=q, bpw=gguf_decoder_bpw(path),
+            llama_sizes[q] = gguf_decoder_bpw(path)
+            rows.append(dict(group="llama.cpp (token embedding F16, head Q8_0)", label=q, bpw=llama_sizes[q],
                              head="Q8_0", **r))
-            print(f"{q}: {rows[-1]['bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f}", flush=True)
+            print(f"{q}: {llama_sizes[q]:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f}", flush=True)
             gc.collect()
 
-    measurement = None
-    for v in variants:
-        v = dict(v)
-        label, bits, group, note = v.pop("label"), v.pop("bits"), v.pop("group"), v.pop("note", "")
-        reusable = set(v) <= {"fixed", "sequential"}  # options that a saved measurement does not depend on
-        reuse = measurement if (measurement is not None and reusable) else None
+    state = {"measurement": None}
+
+    def exl_row(label, bits, group, note="", **options):
+        reusable = set(options) <= {"fixed", "sequential"}  # options a saved measurement does not depend on
+        reuse = state["measurement"] if reusable else None
+        work = root() / "quality" / f"work-{label}" if state["measurement"] is None and reusable else None
         t = time.time()
-        folder = exl_model(rot, label, bits or 4.0, reuse, args.fresh, **v)
-        conv_s = time.time() - t
-        if measurement is None and not v:
-            measurement = folder / "measurement.json"
+        folder = exl_model(rot, label, bits or 4.0, reuse, args.fresh, work=work, **options)
+        if state["measurement"] is None and reusable:
+            state["measurement"] = folder / "measurement.json"
         rep = report_of(folder)
-        r = ev.evaluate(exl_logits(folder), "exl")
+        r = ev.evaluate(exl_logits(folder), "exl", batch=4)
         head = rep["head"]["setting"] if rep.get("head") else "F16"
         rows.append(dict(group=group, label=label, bpw=rep["measured_bpw"], head=head, **r, note=note,
                          predicted_kl=rep["predicted_kl"], calib_kl=rep["eval"]["kl"],
                          convert_s=rep.get("timings", {}).get("total"), reused=reuse is not None))
         print(f"{label}: {rep['measured_bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f} "
-              f"(predicted {rep['predicted_kl']:.4f}; {conv_s:.0f} s)", flush=True)
-        if label == "exl-2.5":
-            results["chat_2.5"] = chat_sample(folder)
+              f"(predicted {rep['predicted_kl']:.4f}; {time.time() - t:.0f} s)", flush=True)
         gc.collect()
+        return folder, rows[-1]
 
+    mixed = "exl (mixed precision)"
+    exl_row("exl-4.0", 4.0, mixed)
+    for b in ((3.0,) if args.quick else (2.5, 3.0, 3.5, 4.25)):
+        folder, _ = exl_row(f"exl-{b}", b, mixed)
+        if b == 2.5:
+            results["chat_2.5"] = chat_sample(folder)
+    for q, bpw in llama_sizes.items():  # exl at the size of every llama.cpp type
+        exl_row(f"exl@{q}", round(bpw, 3), "exl at the size of each llama.cpp type", note=f"vs {q}")
+    if not args.quick:
+        for v in uniform_variants():  # exl's own uniform settings, and mixed precision at the same size
+            v = dict(v)
+            _, row = exl_row(v.pop("label"), v.pop("bits"), v.pop("group"), **v)
+            exl_row(f"exl@{row['label'].removeprefix('exl-')}", round(row["bpw"], 4), "exl, one setting for every matrix",
+                    note=f"mixed precision at the size of {row['label']}")
+        for v in baseline_variants() + ablation_variants():
+            v = dict(v)
+            exl_row(v.pop("label"), v.pop("bits"), v.pop("group"), **v)
     if args.sensitivity:
-        results["sensitivity"] = sensitivity_check(rot, ev, measurement)
+        results["sensitivity"] = sensitivity_check(rot, ev)
     return results
 
 
@@ -267,7 +289,7 @@ def chat_sample(folder: Path, max_new_tokens: int = 60) -> str:
     return "".join(stream(model, tok, ids, max_new_tokens)).strip()
 
 
-def sensitivity_check(rot: Path, ev: Evaluator, measurement: Path | None, n_windows: int = 4) -> list[dict]:
+def sensitivity_check(rot: Path, ev: Evaluator, n_windows: int = 4) -> list[dict]:
     """Quantize ONE layer (round-to-nearest, 2 and 3 bits), measure the model's KL on the eval windows,
     and compare with the Fisher prediction ½ Σ_n f_n (ΔW H ΔWᵀ)_nn / T on the same windows."""
     from safetensors.torch import load_file
@@ -276,9 +298,9 @@ def sensitivity_check(rot: Path, ev: Evaluator, measurement: Path | None, n_wind
     from quant.candidates import Setting
     from quant.gptq import gptq
 
-    fisher_file = root() / "quality" / "fisher-rotated.safetensors"
+    fisher_file = root() / "quality" / "work-exl-4.0" / "fisher.safetensors"  # kept by the measuring conversion
     if not fisher_file.is_file():
-        raise SystemExit(f"--sensitivity needs {fisher_file} (copy the fisher.safetensors of a conversion work folder)")
+        raise SystemExit(f"--sensitivity needs {fisher_file}: run without --quick, or convert exl-4.0 with --fresh")
     f = load_file(fisher_file)
     model = exl.load_model(rot, progress=False)
     ids = ev.windows[:n_windows]
@@ -339,6 +361,14 @@ def markdown(results: dict) -> str:
                 extra += f", converted in {r['convert_s']:.0f} s" + (" (-m)" if r.get("reused") else "")
             note = f"{note}; {extra}" if note else extra
         lines.append(f"| {r['label']} | {r['bpw']:.3f} | {r['head']} | {r['ppl']:.3f} | {r['kld']:.4f} | {note} |")
+    by = {r["label"]: r for r in results["rows"]}
+    pairs = [(r["label"], by.get(f"exl@{r['label']}")) for r in results["rows"] if r["group"].startswith("llama.cpp (")]
+    if any(e for _, e in pairs):
+        lines += ["", "**Head to head: exl at the size of each llama.cpp type**", "",
+                  "| llama.cpp type | bpw | KLD | exl KLD at that bpw | exl / llama.cpp |", "|---|---|---|---|---|"]
+        for q, e in pairs:
+            if e:
+                lines.append(f"| {q} | {by[q]['bpw']:.3f} | {by[q]['kld']:.4f} | {e['kld']:.4f} | {e['kld'] / by[q]['kld']:.2f} |")
     if "chat_2.5" in results:
         lines += ["", f"exl at 2.5 bpw, greedy, asked *{CHAT_QUESTION}*:", "", "> " + results["chat_2.5"].replace("\n", "\n> ")]
     if "sensitivity" in results:

@@ -43,10 +43,10 @@ def builtin_rows(tokenizer, rows: int, length: int, seed: int) -> tuple[torch.Te
 
     n_random = random_row_count(rows)
     n_text = rows - n_random
-    chat = None
-    if getattr(tokenizer, "chat_template", None):
-        def chat(messages):
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    def render(messages):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+
+    chat = render if getattr(tokenizer, "chat_template", None) else None
     docs = (text for _, text in builtin.documents(seed, chat))
     ids, used = _fill(docs, tokenizer, n_text * length)
     text = torch.tensor(ids, dtype=torch.long).view(n_text, length)

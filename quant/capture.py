@@ -57,9 +57,6 @@ class HessianCache:
         self._cache.append((x, result))
         return result
 
-    def clear(self):
-        self._cache.clear()
-
 
 def hessian(x: torch.Tensor, valid: torch.Tensor | None = None, name: str = "") -> tuple[torch.Tensor, int]:
     """(H = Σ_t x_t x_tᵀ as float64 [K, K], number of tokens used). Tokens with NaN/inf are skipped."""

@@ -22,13 +22,12 @@ import torch
 from exl import format as F
 from exl.errors import ExlError
 from quant import passes
-from quant.candidates import Setting
 from quant.model_parts import SourceModel
 from quant.optimize import fixed_plan, optimize
 from quant.options import QuantOptions
 from quant.report import format_report
 from quant.workdir import WorkDir
-from quant.writer import copy_tokenizer, is_quant_tensor, stored_dtype, write_config, write_shards
+from quant.writer import copy_tokenizer, stored_dtype, write_config, write_shards
 
 log = logging.getLogger("exl.quant")
 MEASUREMENT_VERSION = 1
@@ -226,7 +225,9 @@ def convert(job: Job, resume: bool = False, progress: bool = True) -> dict:
     report["timings"] = {k: round(v, 1) for k, v in timings.items()}
     report["timings"]["total"] = round(sum(timings.values()), 1)
     out = Path(job.output)
+    qc, untie = report.pop("quantization_config"), report.pop("untie")
     (out / "quantization_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_config(src.path, out, qc, untie=untie)  # last: a folder with config.json is complete
     if progress:
         print(format_report(report))
     if job.work is None:  # the default work folder lives inside the output: clean it up
@@ -305,7 +306,6 @@ def _write_output(job: Job, wd: WorkDir, src: SourceModel, measurement: dict, pl
           "calibration": {k: calib_info[k] for k in ("source", "rows", "length", "random_rows") if k in calib_info}}
     if job.options != QuantOptions():
         qc["options"] = job.options.to_dict()
-    write_config(src.path, out, qc, untie=head_quant)
     copy_tokenizer(src.path, out)
     shutil.copyfile(wd.file("measurement.json") if wd.exists("measurement.json") else
                     _measurement_path(job.measurement), out / "measurement.json")
@@ -313,7 +313,8 @@ def _write_output(job: Job, wd: WorkDir, src: SourceModel, measurement: dict, pl
     predicted = {c: plan["choices"][c]["kl"] for c in plan["choices"]}
     for s in stats:
         s["predicted_kl"] = predicted.get(s["name"], 0.0)
-    return {"input": str(src.path), "output": str(out), "files": files, "target_bpw": job.bits,
+    return {"quantization_config": qc, "untie": head_quant,
+            "input": str(src.path), "output": str(out), "files": files, "target_bpw": job.bits,
             "measured_bpw": measured_bpw, "head_bpw": head_bpw, "head": head["head"],
             "predicted_kl": plan["predicted_kl"], "eval": head["eval"], "layers": stats,
             "calibration": calib_info}

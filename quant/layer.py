@@ -80,14 +80,16 @@ def measure(name: str, w: torch.Tensor, h: torch.Tensor, tokens: int, fisher: to
 def _measure(name, w, h, tokens, fisher, options, seed) -> dict:
     n, k = w.shape
     rows = _subset(n, options.measure_rows, w.device)
-    best = None
+    best, factored = None, {}
     for t in transform_options(options):  # the transform with the lowest error at the reference setting
-        if best is not None and best[1].su == t.su and best[1].perm == t.perm:
-            p = prepare(w, h, t, seed, name, h_from=best[2])  # same Hessian: reuse its factor
-            u, damp = best[3], best[4]
+        key = (t.su, t.perm)  # transforms differing only in sv share the rotated Hessian and its factor
+        if key in factored:
+            p0, u, damp = factored[key]
+            p = prepare(w, h, t, seed, name, h_from=p0)
         else:
             p = prepare(w, h, t, seed, name)
             u, damp = factor(p.h, options)
+            factored[key] = (p, u, damp)
         fw = row_weights(fisher, t)
         r = gptq(p.w[rows], u, [REFERENCE.segments(k)], alphas(options), want_codes=False)[0]
         err = float((r.row_err * fw[rows]).sum())

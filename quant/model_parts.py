@@ -16,7 +16,7 @@ from exl.config import ModelConfig
 from exl.errors import UnsupportedModelError
 from exl.format import BLOCK
 from exl.loader import TensorLoader
-from exl.models.base import ARCHITECTURES, Builder, CausalLM
+from exl.models.base import ARCHITECTURES, Builder
 from exl.modules.linear import Linear
 from exl.modules.mlp import SparseMoE
 from exl.modules.norm import RMSNorm
@@ -123,10 +123,3 @@ class SourceModel:
         z = norm(h) @ head.T
         cap = self.config.final_logit_softcapping
         return cap * torch.tanh(z / cap) if cap else z
-
-    def block_weight_names(self, i: int) -> list[str]:
-        return self.loader.with_prefix(f"model.layers.{i}.")
-
-
-def family_of(model: CausalLM) -> type:
-    return type(model)

@@ -27,8 +27,3 @@ def layer_tensors(p: Prepared, r: Result, segments: list[Segment], bias: torch.T
     if bias is not None:
         t["bias"] = bias.detach().cpu().to(torch.float16)
     return t
-
-
-def dequantized(t: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The dense W [N, K] (float32, original coordinates) that the stored tensors represent."""
-    return F.dequantize(t, torch.float32)

@@ -186,7 +186,7 @@ def measure_pass(src: SourceModel, wd: WorkDir, ids: torch.Tensor, fisher: dict[
         wd.save_json(rec(i), records)
         wd.save_tensors(_states(wd, "measure", i + 1), {"h": h, "valid": valid})
         wd.remove(_states(wd, "measure", i))
-        del block, cache
+        del block
     wd.remove(_states(wd, "measure", n))
     return [r for i in range(n) for r in wd.load_json(rec(i))]
 
@@ -261,7 +261,7 @@ def quantize_pass(src: SourceModel, wd: WorkDir, ids: torch.Tensor, eval_rows: i
         wd.save_json(f"quant/block_{i:03d}.json", stats)
         wd.save_tensors(_states(wd, "quant", i + 1), {"h": h, "ref": ref, "valid": valid})
         wd.remove(_states(wd, "quant", i))
-        del block, cache
+        del block
 
 
 def quantize_head(src: SourceModel, wd: WorkDir, bits: int, options: QuantOptions, seed: int) -> dict:

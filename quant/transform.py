@@ -56,44 +56,46 @@ def prepare(w: torch.Tensor, h: torch.Tensor, t: Transform, seed: int, name: str
             h_from: "Prepared | None" = None) -> Prepared:
     """Rotate and permute W [N, K] and H [K, K]; zero the columns of dead input channels.
 
-    h_from: a Prepared of the same W and H with the same `su` and `perm` (only `sv` differs), whose
+    h_from: a Prepared of the same W and H with the same `su` and `perm` (only `sv` may differ); its
     rotated Hessian and permutation are reused instead of recomputed."""
-    if h_from is not None:
-        w2 = w.to(torch.float32)
-        dead = h.diagonal() <= 0
-        if dead.any():
-            w2 = w2.clone()
-            w2[:, dead] = 0
-        if h_from.su is not None:
-            w2 = fwht(w2 * h_from.su)
-        sv = None
-        if t.sv:
-            sv = random_signs(w.shape[0], seed, name, "v").to(w.device)
-            w2 = fwht((w2 * sv[:, None]).T).T
-        if h_from.perm is not None:
-            w2 = w2[:, h_from.perm]
-        return Prepared(w2.contiguous(), h_from.h, h_from.su, sv, h_from.perm)
     n, k = w.shape
-    w = w.to(torch.float32)
-    h = h.to(torch.float64).clone()
     dead = h.diagonal() <= 0
-    if dead.any():  # inputs that are always zero: their weights never matter
-        w = w.clone()
-        w[:, dead] = 0
+    if h_from is not None:
+        su, perm, hp = h_from.su, h_from.perm, h_from.h
+    else:
+        hp, su, perm = _hessian(h, dead, t, k, seed, name, w.device)
+    sv = random_signs(n, seed, name, "v").to(w.device) if t.sv else None
+    return Prepared(_weight(w, dead, su, sv, perm), hp, su, sv, perm)
+
+
+def _hessian(h, dead, t: Transform, k: int, seed: int, name: str, device):
+    """(H in the quantizer's coordinates (float64), input signs, act-order permutation)."""
+    h = h.to(torch.float64).clone()
+    if dead.any():  # inputs that are always zero: any weight works; keep H positive definite
         idx = dead.nonzero().flatten()
         live = h.diagonal()[~dead]
         h[idx, idx] = float(live.mean()) if live.numel() else 1.0
-    su = sv = perm = None
+    su = perm = None
     if t.su:
-        su = random_signs(k, seed, name, "u").to(w.device)
-        w = fwht(w * su)
+        su = random_signs(k, seed, name, "u").to(device)
         s64 = su.to(h.dtype)
         h = fwht(fwht(h * s64[:, None] * s64[None, :]).T)  # H_K D_u H D_u H_K (symmetric)
-    if t.sv:
-        sv = random_signs(n, seed, name, "v").to(w.device)
-        w = fwht((w * sv[:, None]).T).T
     if t.perm:
         perm = torch.argsort(h.diagonal(), descending=True, stable=True)
-        w = w[:, perm]
         h = h[perm][:, perm]
-    return Prepared(w.contiguous(), h, su, sv, perm)
+    return h, su, perm
+
+
+def _weight(w, dead, su, sv, perm) -> torch.Tensor:
+    """Ŵ = (H_N D_v) W (D_u H_K), columns permuted; float32."""
+    w = w.to(torch.float32)
+    if dead.any():
+        w = w.clone()
+        w[:, dead] = 0
+    if su is not None:
+        w = fwht(w * su)
+    if sv is not None:
+        w = fwht((w * sv[:, None]).T).T
+    if perm is not None:
+        w = w[:, perm]
+    return w.contiguous()

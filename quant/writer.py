@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from exl.format import FORMAT_VERSION, QUANT_SUFFIXES
+from exl.format import FORMAT_VERSION
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt",
@@ -82,7 +82,3 @@ def copy_tokenizer(src_dir: Path, out: Path) -> list[str]:
             shutil.copyfile(src_dir / name, out / name)
             copied.append(name)
     return copied
-
-
-def is_quant_tensor(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in QUANT_SUFFIXES

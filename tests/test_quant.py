@@ -257,3 +257,11 @@ def test_matmul_hadamard_equals_format_fwht():
     for n in (32, 96, 576, 1536, 4096):
         x = torch.randn(3, n, dtype=torch.float64)
         assert torch.allclose(fwht(x), F.fwht(x), atol=1e-12)
+
+
+def test_prepare_reuses_the_rotated_hessian_exactly():
+    w, h, _ = problem()
+    base = prepare(w, h, Transform(True, False, True), seed=2, name="m")
+    fresh = prepare(w, h, Transform(True, True, True), seed=2, name="m")
+    shared = prepare(w, h, Transform(True, True, True), seed=2, name="m", h_from=base)
+    assert torch.equal(fresh.w, shared.w) and torch.equal(fresh.h, shared.h) and torch.equal(fresh.perm, shared.perm)
