@@ -15,6 +15,7 @@ import logging
 import torch
 from torch import nn
 
+from quant.gptq import hessian_dtype
 from quant.model_parts import LinearRef
 
 log = logging.getLogger("exl.quant")
@@ -59,7 +60,7 @@ class HessianCache:
 
 
 def hessian(x: torch.Tensor, valid: torch.Tensor | None = None, name: str = "") -> tuple[torch.Tensor, int]:
-    """(H = Σ_t x_t x_tᵀ as float64 [K, K], number of tokens used). Tokens with NaN/inf are skipped."""
+    """(H = Σ_t x_t x_tᵀ [K, K] (float64 up to 16384 inputs), tokens used). Tokens with NaN/inf are skipped."""
     x = x.reshape(-1, x.shape[-1]).float()
     if valid is not None and valid.numel() == x.shape[0] and not bool(valid.all()):
         x = x[valid.to(x.device)]
@@ -71,4 +72,4 @@ def hessian(x: torch.Tensor, valid: torch.Tensor | None = None, name: str = "") 
                     int((~finite).sum()), x.shape[0])
         x = x[finite]
         h = x.T @ x
-    return h.double(), int(x.shape[0])
+    return h.to(hessian_dtype(h.shape[0])), int(x.shape[0])

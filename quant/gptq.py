@@ -25,6 +25,12 @@ ALPHAS = (0.95, 0.8, 0.65)
 MIN_SCALE = 2.0**-20  # smallest scale written (an all-zero group); float16 keeps it as a subnormal
 
 
+def hessian_dtype(k: int) -> torch.dtype:
+    """float64 for Hessians up to 16384 inputs; float32 above (a 28672² float64 matrix is 6.6 GB, and the
+    1% damping keeps float32 Cholesky factorizations stable)."""
+    return torch.float64 if k <= 16384 else torch.float32
+
+
 class HessianError(ValueError):
     """The Hessian cannot be factorized even after damping."""
 
@@ -41,7 +47,7 @@ def inverse_cholesky(h: torch.Tensor, damp: float = 0.01, retries: int = 6) -> t
 
     Returns (U as float32, the damping used). Dead channels (H_ii = 0) must be handled by the caller.
     """
-    h = h.to(torch.float64)
+    h = h.to(hessian_dtype(h.shape[0]))
     mean = float(h.diagonal().mean())
     if not mean > 0 or not bool(torch.isfinite(h.sum())):
         raise HessianError("the Hessian is zero or not finite")

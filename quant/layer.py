@@ -99,8 +99,8 @@ def _measure(name, w, h, tokens, fisher, options, seed) -> dict:
     settings = [Setting.parse(options.fixed)] if options.fixed else candidates(k, options.mixes)
     results = gptq(p.w[rows], u, [s.segments(k) for s in settings], alphas(options), want_codes=False)
     wf, frows = fw[rows], fw.sum() / fw[rows].sum().clamp_min(1e-30)
-    wr = p.w[rows].double()
-    base = ((wr @ p.h.to(wr.device)) * wr).sum(1)  # (W H Wᵀ)_nn
+    wr = p.w[rows].to(p.h.dtype)
+    base = ((wr @ p.h) * wr).sum(1).double()  # (W H Wᵀ)_nn
     out = []
     for s, r in zip(settings, results):
         kl = 0.5 * float((r.row_err * wf).sum() * frows) / max(tokens, 1)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quant.gptq import hessian_dtype
 from quant.hadamard import fwht
 
 
@@ -70,7 +71,7 @@ def prepare(w: torch.Tensor, h: torch.Tensor, t: Transform, seed: int, name: str
 
 def _hessian(h, dead, t: Transform, k: int, seed: int, name: str, device):
     """(H in the quantizer's coordinates (float64), input signs, act-order permutation)."""
-    h = h.to(torch.float64).clone()
+    h = h.to(hessian_dtype(k)).clone()
     if dead.any():  # inputs that are always zero: any weight works; keep H positive definite
         idx = dead.nonzero().flatten()
         live = h.diagonal()[~dead]

@@ -265,3 +265,19 @@ def test_prepare_reuses_the_rotated_hessian_exactly():
     fresh = prepare(w, h, Transform(True, True, True), seed=2, name="m")
     shared = prepare(w, h, Transform(True, True, True), seed=2, name="m", h_from=base)
     assert torch.equal(fresh.w, shared.w) and torch.equal(fresh.h, shared.h) and torch.equal(fresh.perm, shared.perm)
+
+
+def test_float32_hessians_for_very_wide_layers(monkeypatch):
+    """Layers wider than 16384 inputs keep H in float32 (memory); the code paths must agree on dtypes."""
+    import quant.capture
+    import quant.gptq
+    import quant.transform
+
+    for mod in (quant.gptq, quant.transform, quant.capture):
+        monkeypatch.setattr(mod, "hessian_dtype", lambda k: torch.float32)
+    w, h, x = problem()
+    h32, _ = quant.capture.hessian(x)
+    assert h32.dtype == torch.float32
+    rec = measure("wide", w, h32, x.shape[0], torch.ones(96), QuantOptions(measure_rows=32), seed=0)
+    q = quantize("wide", w, h32, Setting(4, 64), Transform.parse(rec["transform"]), QuantOptions(), seed=0)
+    assert q.rel < 0.01 and all(math.isfinite(c["kl"]) for c in rec["candidates"])
