@@ -19,7 +19,7 @@ class QuantOptions:
     mixes: bool = True  # measure mixed-width settings (act-ordered channels at +1/+2 bits)
     fixed: str | None = None  # one setting for every matrix (e.g. "4b/g128"): a uniform baseline
     sequential: bool = True  # Hessians from the outputs of already quantized blocks
-    damp: float = 0.01
+    damp: float = 0.01  # relative to mean(diag H)
     measure_rows: int = 256  # rows per matrix used to price candidates (errors are scaled to all rows)
     fisher_rows: int = 4  # calibration rows used for the Fisher pass and the final check
     head_group: int = 64
