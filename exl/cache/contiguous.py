@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from exl.cache.base import AttentionContext
+from exl.modules import fused
 from exl.modules.attention import attention_mask, scaled_attention
 
 
@@ -44,6 +45,10 @@ class KVCacheContext(AttentionContext):
 
     def attend(self, layer, q, k, v, *, scale, window=None, softcap=None):
         c = self.cache
+        if q.shape[1] == 1 and c.k.dtype is torch.float32:  # decode: store and attend in one call
+            ext = fused.ops(q)
+            if ext is not None:
+                return ext.decode_attention(q, k, v, c.k, c.v, layer, self.start, scale, window or 0, softcap or 0.0)
         c.k[layer, :, :, self.start : self.end] = k.transpose(1, 2)
         c.v[layer, :, :, self.start : self.end] = v.transpose(1, 2)
         lo = 0 if window is None else max(0, self.start - window + 1)

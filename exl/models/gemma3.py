@@ -12,6 +12,7 @@ attention soft-capping of Gemma 2 is not used by Gemma 3, as in transformers).
 from torch import nn
 
 from exl.models.base import Builder, CausalLM, register
+from exl.modules import fused
 
 
 class Gemma3Block(nn.Module):
@@ -21,8 +22,15 @@ class Gemma3Block(nn.Module):
         self.pre_ff, self.mlp, self.post_ff = pre_ff, mlp, post_ff
 
     def forward(self, x, ctx):
-        x = x + self.post_attn(self.attn(self.pre_attn(x), ctx))
-        return x + self.post_ff(self.mlp(self.pre_ff(x)))
+        ext = fused.ops(x)
+        if ext is None:
+            x = x + self.post_attn(self.attn(self.pre_attn(x), ctx))
+            return x + self.post_ff(self.mlp(self.pre_ff(x)))
+        # Fused: each post-norm, residual add and the next pre-norm in one pass (all norms share eps).
+        eps = self.pre_attn.eps
+        a = self.attn(ext.rms_norm(x, self.pre_attn.weight, eps), ctx)
+        x, h = ext.add_rms_norm(a, x, self.pre_ff.weight, eps, self.post_attn.weight)
+        return ext.add_rms_norm(self.mlp(h), x, None, eps, self.post_ff.weight)[0]
 
 
 @register("Gemma3ForCausalLM")

@@ -7,6 +7,7 @@ with grouped-query attention and rotary embeddings (any rope scaling; Mistral's 
 from torch import nn
 
 from exl.models.base import Builder, CausalLM, register
+from exl.modules import fused
 
 
 class DecoderBlock(nn.Module):
@@ -15,8 +16,14 @@ class DecoderBlock(nn.Module):
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
 
     def forward(self, x, ctx):
-        x = x + self.attn(self.attn_norm(x), ctx)
-        return x + self.mlp(self.mlp_norm(x))
+        ext = fused.ops(x)
+        if ext is None:
+            x = x + self.attn(self.attn_norm(x), ctx)
+            return x + self.mlp(self.mlp_norm(x))
+        # Fused: the residual adds are written over the sublayer outputs (fresh tensors), never over x.
+        a = self.attn(ext.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps), ctx)
+        x, h = ext.add_rms_norm(a, x, self.mlp_norm.weight, self.mlp_norm.eps)
+        return self.mlp(h).add_(x)
 
 
 @register("LlamaForCausalLM", "MistralForCausalLM")

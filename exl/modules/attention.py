@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from exl.modules import fused
 from exl.modules.norm import RMSNorm
 from exl.modules.rope import RotaryEmbedding
 
@@ -66,9 +67,17 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = ctx.rope(self.rope, x.dtype)
-        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        ext = fused.ops(x)
+        if ext is not None:  # q/k norm and RoPE in one pass, in place
+            qn, kn = self.q_norm, self.k_norm
+            if qn is None:
+                ext.rope_(q, k, cos, sin)
+            else:
+                ext.rope_(q, k, cos, sin, qn.weight, kn.weight, qn.eps)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         out = ctx.attend(self.layer, q, k, v, scale=self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))

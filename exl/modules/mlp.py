@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from exl.modules import fused
+
 ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
@@ -23,8 +25,12 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate, self.up, self.down = gate, up, down
         self.act = ACTIVATIONS[act]
+        self.act_kind = fused.ACT_KINDS.get(act)  # None: no fused form
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ext = fused.ops(x) if self.act_kind else None
+        if ext is not None:
+            return self.down(ext.act_mul(self.gate(x), self.up(x), self.act_kind))
         return self.down(self.act(self.gate(x)) * self.up(x))
 
 

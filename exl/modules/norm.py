@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from exl.modules import fused
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * (offset + weight). Gemma stores weight - 1 and uses offset = 1."""
@@ -13,6 +15,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ext = fused.ops(x)
+        if ext is not None:
+            return ext.rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * self.weight).to(x.dtype)

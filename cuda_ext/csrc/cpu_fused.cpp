@@ -1,0 +1,436 @@
+// Fused float32 CPU ops for the decode fast path (exl/modules/fused.py): one call each instead of
+// a chain of small torch ops. Every op has a plain-PyTorch reference in exl/modules and a test
+// against it (tests/test_fused.py). They read the caller's tensors in place (no copies) and write
+// results over an input where the op says so (a non-contiguous one gets a new tensor instead).
+//
+//   rms_norm(x, w, eps)                      y = x / rms(x) * w over the last dim
+//   add_rms_norm(x, residual, w, eps, xw)    s = (xw ? rms_norm(x, xw) : x) + residual, written over
+//                                            x; returns (s, rms_norm(s, w) or None without w)
+//   rope_(q, k, cos, sin, qw, kw, eps)       optional per-head RMSNorm, then rotate-half RoPE on
+//                                            the first cos.size(-1) channels of q and k, in place
+//   decode_attention(q, k, v, kc, vc, ...)   store k, v at `pos` of a contiguous cache, then one
+//                                            query per sequence attends over the kept keys (GQA)
+//   act_mul(gate, up, act)                   act(gate) * up, written over gate
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace exl {
+namespace fused {
+namespace {
+
+void check_f32_cpu(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.defined(), "exl ", op, ": ", name, " is undefined");
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "exl ", op, ": ", name,
+              " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+void check_weight(const at::Tensor& w, int64_t d, const char* op, const char* name) {
+  check_f32_cpu(w, op, name);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == d && w.stride(0) == 1, "exl ", op, ": ", name, " must be a contiguous [",
+              d, "] vector, got shape ", w.sizes());
+}
+
+// Rows of at least this many values are split across threads; smaller ones run serially, where
+// a thread pool hand-off costs more than the work.
+constexpr int64_t kGrainValues = 32768;
+
+int64_t grain_rows(int64_t d) { return std::max<int64_t>(1, kGrainValues / std::max<int64_t>(d, 1)); }
+
+inline float inv_rms(const float* x, int64_t d, float eps) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += x[i] * x[i];
+  return 1.f / std::sqrt(s / float(d) + eps);
+}
+
+// y = (x * r) * w, the reference's order of roundings.
+inline void scale_row(const float* x, float r, const float* w, float* y, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) y[i] = (x[i] * r) * w[i];
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_f32_cpu(x, "rms_norm", "x");
+  TORCH_CHECK(x.dim() >= 1, "exl rms_norm: x must have at least one dimension");
+  const int64_t d = x.size(-1);
+  check_weight(weight, d, "rms_norm", "weight");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const int64_t rows = d ? xc.numel() / d : 0;
+  const float* px = xc.data_ptr<float>();
+  const float* pw = weight.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  const float e = float(eps);
+  at::parallel_for(0, rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) scale_row(px + r * d, inv_rms(px + r * d, d, e), pw, py + r * d, d);
+  });
+  return y;
+}
+
+std::tuple<at::Tensor, c10::optional<at::Tensor>> add_rms_norm(at::Tensor& x, const at::Tensor& residual,
+                                                              const c10::optional<at::Tensor>& weight, double eps,
+                                                              const c10::optional<at::Tensor>& x_weight) {
+  check_f32_cpu(x, "add_rms_norm", "x");
+  check_f32_cpu(residual, "add_rms_norm", "residual");
+  TORCH_CHECK(x.dim() >= 1 && residual.sizes() == x.sizes(), "exl add_rms_norm: residual has shape ",
+              residual.sizes(), ", x has ", x.sizes());
+  const int64_t d = x.size(-1);
+  const bool has_w = weight && weight->defined(), has_xw = x_weight && x_weight->defined();
+  if (has_w) check_weight(*weight, d, "add_rms_norm", "weight");
+  if (has_xw) check_weight(*x_weight, d, "add_rms_norm", "x_weight");
+  const bool in_place = x.is_contiguous();
+  const at::Tensor xc = x.contiguous(), rc = residual.contiguous();
+  at::Tensor sum = in_place ? x : at::empty_like(xc);
+  at::Tensor y = has_w ? at::empty_like(xc) : at::Tensor();
+  const int64_t rows = d ? x.numel() / d : 0;
+  const float* px = xc.data_ptr<float>();
+  const float* pr = rc.data_ptr<float>();
+  float* pz = sum.data_ptr<float>();
+  const float* pw = has_w ? weight->data_ptr<float>() : nullptr;
+  const float* pxw = has_xw ? x_weight->data_ptr<float>() : nullptr;
+  float* py = has_w ? y.data_ptr<float>() : nullptr;
+  const float e = float(eps);
+  at::parallel_for(0, rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = px + r * d;
+      const float* rr = pr + r * d;
+      float* zr = pz + r * d;
+      if (pxw) {
+        const float s = inv_rms(xr, d, e);
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) zr[i] = (xr[i] * s) * pxw[i] + rr[i];
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) zr[i] = xr[i] + rr[i];
+      }
+      if (py) scale_row(zr, inv_rms(zr, d, e), pw, py + r * d, d);
+    }
+  });
+  return {sum, has_w ? c10::optional<at::Tensor>(y) : c10::nullopt};
+}
+
+// In place on one head vector: optional RMSNorm (weight w), then rotate-half RoPE over the first
+// 2*half channels: out = x * cos + cat(-x2, x1) * sin, multiplied and added as the reference does.
+inline void norm_rope_head(float* x, int64_t d, const float* w, float eps, const float* cs, const float* sn,
+                           int64_t half) {
+  if (w) scale_row(x, inv_rms(x, d, eps), w, x, d);
+  float* x1 = x;
+  float* x2 = x + half;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x1[i], b = x2[i];
+    x1[i] = a * cs[i] + (-b) * sn[i];
+    x2[i] = b * cs[half + i] + a * sn[half + i];
+  }
+}
+
+void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
+           const c10::optional<at::Tensor>& q_weight, const c10::optional<at::Tensor>& k_weight, double eps) {
+  const char* op = "rope_";
+  check_f32_cpu(q, op, "q");
+  check_f32_cpu(k, op, "k");
+  check_f32_cpu(cos, op, "cos");
+  check_f32_cpu(sin, op, "sin");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "exl rope_: q and k must be [batch, tokens, heads, head_dim], got ",
+              q.sizes(), " and ", k.sizes());
+  const int64_t b = q.size(0), t = q.size(1), hq = q.size(2), d = q.size(3), hk = k.size(2);
+  TORCH_CHECK(k.size(0) == b && k.size(1) == t && k.size(3) == d, "exl rope_: k ", k.sizes(),
+              " does not match q ", q.sizes());
+  TORCH_CHECK(cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(1) == t && (cos.size(0) == b || cos.size(0) == 1),
+              "exl rope_: cos and sin must be [batch or 1, tokens, rotary_dim] matching q ", q.sizes(), ", got ",
+              cos.sizes(), " and ", sin.sizes());
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1, "exl rope_: the head_dim of q and k must be contiguous");
+  const int64_t rot = cos.size(2);
+  TORCH_CHECK(rot % 2 == 0 && rot <= d, "exl rope_: rotary_dim ", rot, " must be even and at most head_dim ", d);
+  TORCH_CHECK(cos.stride(2) == 1 && sin.stride(2) == 1 && cos.strides() == sin.strides(),
+              "exl rope_: cos and sin need equal strides and a contiguous last dim");
+  const bool qw = q_weight && q_weight->defined(), kw = k_weight && k_weight->defined();
+  TORCH_CHECK(qw == kw, "exl rope_: give both q_weight and k_weight (per-head RMSNorm) or neither");
+  if (qw) {
+    check_weight(*q_weight, d, op, "q_weight");
+    check_weight(*k_weight, d, op, "k_weight");
+  }
+  float* pq = q.data_ptr<float>();
+  float* pk = k.data_ptr<float>();
+  const float* pc = cos.data_ptr<float>();
+  const float* ps = sin.data_ptr<float>();
+  const float* pqw = qw ? q_weight->data_ptr<float>() : nullptr;
+  const float* pkw = kw ? k_weight->data_ptr<float>() : nullptr;
+  const int64_t cb = cos.size(0) == 1 ? 0 : cos.stride(0), ct = cos.stride(1);
+  const float e = float(eps);
+  const int64_t heads = hq + hk;
+  at::parallel_for(0, b * t, grain_rows(heads * d), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t bi = r / t, ti = r % t, off = bi * cb + ti * ct;
+      float* qr = pq + bi * q.stride(0) + ti * q.stride(1);
+      float* kr = pk + bi * k.stride(0) + ti * k.stride(1);
+      for (int64_t h = 0; h < hq; ++h) norm_rope_head(qr + h * q.stride(2), d, pqw, e, pc + off, ps + off, rot / 2);
+      for (int64_t h = 0; h < hk; ++h) norm_rope_head(kr + h * k.stride(2), d, pkw, e, pc + off, ps + off, rot / 2);
+    }
+  });
+}
+
+// ---- Vectorizable kernels. Written as plain loops the compiler vectorizes; each is compiled twice
+// (baseline x86-64 and AVX2+FMA, see KERNEL_TABLE) and chosen at run time.
+
+#define EXL_INLINE inline __attribute__((always_inline))
+// Float-to-int conversions and selects in these loops vectorize only when GCC may assume that no
+// floating-point exception is trapped (values are unaffected).
+#pragma GCC optimize("no-trapping-math")
+
+// exp(x) in float32 to about 1 ulp (Cody-Waite reduction, Cephes' degree-5 polynomial), written
+// without library calls so that loops over it vectorize.
+EXL_INLINE float exp_f32(float x) {
+  x = x < -87.3365f ? -87.3365f : x > 88.7228f ? 88.7228f : x;
+  const float n = (x * 1.44269504089f + 12582912.f) - 12582912.f;  // round to nearest
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  return y * __builtin_bit_cast(float, bits);
+}
+
+struct Silu {
+  static EXL_INLINE float f(float x) { return x / (1.f + exp_f32(-x)); }
+};
+struct GeluTanh {  // 0.5 x (1 + tanh(y)), y = sqrt(2/pi) (x + 0.044715 x^3); 1 + tanh(y) = 2 / (1 + exp(-2y))
+  static EXL_INLINE float f(float x) {
+    const float y = 0.7978845608f * (x + 0.044715f * x * x * x);
+    return x / (1.f + exp_f32(-2.f * y));
+  }
+};
+struct GeluErf {
+  static EXL_INLINE float f(float x) { return 0.5f * x * (1.f + std::erf(x * 0.70710678118f)); }
+};
+struct Relu {
+  static EXL_INLINE float f(float x) { return x > 0.f ? x : 0.f; }
+};
+
+template <typename Act>
+EXL_INLINE void act_mul_span(const float* g, const float* u, float* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = Act::f(g[i]) * u[i];
+}
+
+// One kv head group of decode attention: g queries (row stride qs) against n keys/values (row
+// stride ld), scores in s [g, n]; out [g, d] (row stride os). D > 0 fixes the head dim at compile
+// time (fully unrolled inner loops, accumulators in registers); D = 0 reads it from d.
+template <int D>
+EXL_INLINE void attend_group(const float* q, int64_t g, const float* keys, const float* values, int64_t n,
+                             int64_t ld, int64_t d_, float scale, float softcap, float* s, float* out, int64_t qs,
+                             int64_t os) {
+  const int64_t d = D > 0 ? D : d_;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = keys + j * ld;
+    for (int64_t h = 0; h < g; ++h) {
+      const float* qh = q + h * qs;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = 0; i < d; ++i) acc += qh[i] * kj[i];
+      s[h * n + j] = acc * scale;
+    }
+  }
+  for (int64_t h = 0; h < g; ++h) {
+    float* sh = s + h * n;
+    if (softcap > 0.f)
+      for (int64_t j = 0; j < n; ++j) sh[j] = softcap * std::tanh(sh[j] / softcap);
+    float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sh[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      sh[j] = exp_f32(sh[j] - mx);
+      sum += sh[j];
+    }
+    const float inv = 1.f / sum;
+    float* oh = out + h * os;
+    if constexpr (D > 0) {  // the output row lives in registers across the loop over values
+      float acc[D] = {};
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = sh[j] * inv;
+        const float* vj = values + j * ld;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) acc[i] += p * vj[i];
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) oh[i] = acc[i];
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) oh[i] = 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = sh[j] * inv;
+        const float* vj = values + j * ld;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) oh[i] += p * vj[i];
+      }
+    }
+  }
+}
+
+using AttendFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t, float, float,
+                          float*, float*, int64_t, int64_t);
+using ActMulFn = void (*)(const float*, const float*, float*, int64_t);
+
+struct Kernels {
+  const char* name;
+  AttendFn attend;
+  ActMulFn silu_mul, gelu_tanh_mul, gelu_mul, relu_mul;
+};
+
+#define KERNEL_TABLE(NAME, ATTR)                                                                                \
+  ATTR void attend_##NAME(const float* q, int64_t g, const float* k, const float* v, int64_t n, int64_t ld,    \
+                          int64_t d, float scale, float softcap, float* s, float* out, int64_t qs, int64_t os) { \
+    if (d == 64)                                                                                                \
+      attend_group<64>(q, g, k, v, n, ld, d, scale, softcap, s, out, qs, os);                                   \
+    else if (d == 128)                                                                                          \
+      attend_group<128>(q, g, k, v, n, ld, d, scale, softcap, s, out, qs, os);                                  \
+    else                                                                                                        \
+      attend_group<0>(q, g, k, v, n, ld, d, scale, softcap, s, out, qs, os);                                    \
+  }                                                                                                             \
+  ATTR void silu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<Silu>(g, u, o, n); } \
+  ATTR void gelu_tanh_mul_##NAME(const float* g, const float* u, float* o, int64_t n) {                         \
+    act_mul_span<GeluTanh>(g, u, o, n);                                                                         \
+  }                                                                                                             \
+  ATTR void gelu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<GeluErf>(g, u, o, n); } \
+  ATTR void relu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<Relu>(g, u, o, n); } \
+  const Kernels k##NAME = {#NAME, attend_##NAME, silu_mul_##NAME, gelu_tanh_mul_##NAME, gelu_mul_##NAME, relu_mul_##NAME};
+
+KERNEL_TABLE(scalar, )
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+KERNEL_TABLE(avx2, __attribute__((target("avx2,fma"))))
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+const Kernels* avx2_table() { return has_avx2() ? &kavx2 : nullptr; }
+#else
+const Kernels* avx2_table() { return nullptr; }
+#endif
+
+// The kernels for isa "auto" (best available), "avx2" or "scalar" (baseline x86-64).
+const Kernels* kernels(const std::string& isa, const char* op) {
+  static const Kernels* avx2 = avx2_table();
+  if (isa == "auto") return avx2 ? avx2 : &kscalar;
+  if (isa == "scalar") return &kscalar;
+  TORCH_CHECK(isa == "avx2", "exl ", op, ": isa must be 'auto', 'avx2' or 'scalar', got '", isa, "'");
+  TORCH_CHECK(avx2, "exl ", op, ": isa 'avx2' is not available on this CPU (use 'auto' or 'scalar')");
+  return avx2;
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                            at::Tensor& v_cache, int64_t layer, int64_t pos, double scale, int64_t window,
+                            double softcap, const std::string& isa) {
+  const char* op = "decode_attention";
+  check_f32_cpu(q, op, "q");
+  check_f32_cpu(k, op, "k");
+  check_f32_cpu(v, op, "v");
+  check_f32_cpu(k_cache, op, "k_cache");
+  check_f32_cpu(v_cache, op, "v_cache");
+  TORCH_CHECK(q.dim() == 4 && q.size(1) == 1, "exl decode_attention: q must be [batch, 1, heads, head_dim], got ",
+              q.sizes());
+  const int64_t b = q.size(0), hq = q.size(2), d = q.size(3);
+  TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "exl decode_attention: k_cache and v_cache must be alike [layers, batch, kv_heads, max_len, head_dim], "
+              "got ", k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t hk = k_cache.size(2), max_len = k_cache.size(3);
+  TORCH_CHECK(k_cache.size(1) == b && k_cache.size(4) == d && hk > 0 && hq % hk == 0,
+              "exl decode_attention: cache ", k_cache.sizes(), " does not fit q ", q.sizes(),
+              " (batch, head_dim, and heads a multiple of kv_heads)");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.dim() == 4 && k.size(0) == b && k.size(1) == 1 && k.size(2) == hk &&
+                  k.size(3) == d,
+              "exl decode_attention: k and v must be [", b, ", 1, ", hk, ", ", d, "], got ", k.sizes(), " and ",
+              v.sizes());
+  TORCH_CHECK(layer >= 0 && layer < k_cache.size(0), "exl decode_attention: layer ", layer, " out of range [0, ",
+              k_cache.size(0), ")");
+  TORCH_CHECK(pos >= 0 && pos < max_len, "exl decode_attention: position ", pos, " out of range [0, ", max_len, ")");
+  TORCH_CHECK(k_cache.stride(4) == 1 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "exl decode_attention: the head_dim of q, k, v and the cache must be contiguous");
+  const AttendFn fn = kernels(isa, op)->attend;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, n = pos + 1 - lo;
+  const int64_t g = hq / hk, ld = k_cache.stride(3);
+  float* kc = k_cache.data_ptr<float>() + layer * k_cache.stride(0);
+  float* vc = v_cache.data_ptr<float>() + layer * v_cache.stride(0);
+  const int64_t cs_b = k_cache.stride(1), cs_h = k_cache.stride(2);
+  const float* pq = q.data_ptr<float>();
+  const float* pk = k.data_ptr<float>();
+  const float* pv = v.data_ptr<float>();
+  at::Tensor out = at::empty({b, 1, hq, d}, q.options());
+  float* po = out.data_ptr<float>();
+  const float sc = float(scale), cap = float(softcap);
+  // Work items: (sequence, kv head). Split over threads only when there is enough of it.
+  const int64_t work = g * n * d * 2;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(work, 1));
+  at::parallel_for(0, b * hk, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(g * n);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t bi = i / hk, h = i % hk;
+      float* kh = kc + bi * cs_b + h * cs_h;
+      float* vh = vc + bi * cs_b + h * cs_h;
+      const float* ks = pk + bi * k.stride(0) + h * k.stride(2);
+      const float* vs = pv + bi * v.stride(0) + h * v.stride(2);
+      std::copy(ks, ks + d, kh + pos * ld);
+      std::copy(vs, vs + d, vh + pos * ld);
+      fn(pq + bi * q.stride(0) + h * g * q.stride(2), g, kh + lo * ld, vh + lo * ld, n, ld, d, sc, cap,
+         scores.data(), po + (bi * hq + h * g) * d, q.stride(2), d);
+    }
+  });
+  return out;
+}
+
+at::Tensor act_mul(at::Tensor& gate, const at::Tensor& up, const std::string& act, const std::string& isa) {
+  check_f32_cpu(gate, "act_mul", "gate");
+  check_f32_cpu(up, "act_mul", "up");
+  TORCH_CHECK(gate.sizes() == up.sizes(), "exl act_mul: gate has shape ", gate.sizes(), ", up has ", up.sizes());
+  const at::Tensor gc = gate.contiguous(), uc = up.contiguous();
+  at::Tensor out = gate.is_contiguous() ? gate : at::empty_like(gc);
+  const float* g = gc.data_ptr<float>();
+  const float* u = uc.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const Kernels* k = kernels(isa, "act_mul");
+  const ActMulFn fn = act == "silu"        ? k->silu_mul
+                      : act == "gelu_tanh" ? k->gelu_tanh_mul
+                      : act == "gelu"      ? k->gelu_mul
+                      : act == "relu"      ? k->relu_mul
+                                           : nullptr;
+  TORCH_CHECK(fn, "exl act_mul: unknown activation '", act, "' (silu, gelu, gelu_tanh, relu)");
+  at::parallel_for(0, gate.numel(), kGrainValues, [&](int64_t i0, int64_t i1) { fn(g + i0, u + i0, o + i0, i1 - i0); });
+  return out;
+}
+
+}  // namespace
+}  // namespace fused
+}  // namespace exl
+
+namespace py = pybind11;
+
+// Called from cpu_ops.cpp's PYBIND11_MODULE: the fused ops live in the same extension module.
+void register_fused(py::module_& m) {
+  using namespace exl::fused;
+  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
+        "RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * weight (new tensor)");
+  m.def("add_rms_norm", &add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight") = py::none(),
+        py::arg("eps") = 1e-6, py::arg("x_weight") = py::none(),
+        "(s, rms_norm(s, weight) or None) for s = (rms_norm(x, x_weight) if x_weight else x) + residual; "
+        "s is written over x when x is contiguous");
+  m.def("rope_", &rope_, py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("q_weight") = py::none(),
+        py::arg("k_weight") = py::none(), py::arg("eps") = 1e-6,
+        "In place on q, k [B, T, H, D]: optional per-head RMSNorm, then rotate-half RoPE on the first cos.size(-1) dims");
+  m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("layer"), py::arg("pos"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0, py::arg("isa") = "auto",
+        "Store k, v at pos of cache[layer], then single-query GQA attention over positions [pos-window+1, pos]");
+  m.def("act_mul", &act_mul, py::arg("gate"), py::arg("up"), py::arg("act"), py::arg("isa") = "auto",
+        "act(gate) * up for act in silu, gelu, gelu_tanh, relu; written over gate when gate is contiguous");
+}

@@ -1,0 +1,53 @@
+"""The fused CPU fast path: float32 CPU tensors go through the one-call ops of the exl CPU
+extension (cuda_ext/csrc/cpu_fused.cpp) instead of chains of small torch ops.
+
+Each module keeps its plain-PyTorch code as the reference and asks `ops(x)` first: it returns
+the extension module when x is a float32 CPU tensor, the extension is built and the fast path is
+on, else None (then the reference code runs). `disabled()` turns the fast path off for a block
+of code (tests and benchmarks compare both paths); EXL_NO_FUSED=1 turns it off for the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+_ext = None  # the extension module, False when unusable; resolved on first use
+_enabled = os.environ.get("EXL_NO_FUSED") != "1"
+
+# ACTIVATIONS names (exl.modules.mlp) -> the extension's act_mul_ kinds
+ACT_KINDS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+             "gelu_new": "gelu_tanh", "relu": "relu"}
+
+
+def _load():
+    global _ext
+    import cuda_ext
+
+    ext = cuda_ext.cpu()
+    _ext = ext if ext is not None and hasattr(ext, "decode_attention") else False  # an older prebuilt lacks them
+    return _ext
+
+
+def ops(x: torch.Tensor):
+    """The extension module when the fused ops apply to x (float32, CPU, extension built, on)."""
+    if not _enabled or x.dtype is not torch.float32 or x.device.type != "cpu":
+        return None
+    return (_ext if _ext is not None else _load()) or None
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+@contextlib.contextmanager
+def disabled():
+    """Run the plain-PyTorch reference path inside this block."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
