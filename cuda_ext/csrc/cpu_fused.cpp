@@ -231,7 +231,24 @@ EXL_INLINE void attend_group(const float* q, int64_t g, const float* keys, const
                              int64_t ld, int64_t d_, float scale, float softcap, float* s, float* out, int64_t qs,
                              int64_t os) {
   const int64_t d = D > 0 ? D : d_;
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {  // four keys at a time: four independent FMA chains per query
+    const float *k0 = keys + j * ld, *k1 = k0 + ld, *k2 = k1 + ld, *k3 = k2 + ld;
+    for (int64_t h = 0; h < g; ++h) {
+      const float* qh = q + h * qs;
+      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+      for (int64_t i = 0; i < d; ++i) {
+        a0 += qh[i] * k0[i];
+        a1 += qh[i] * k1[i];
+        a2 += qh[i] * k2[i];
+        a3 += qh[i] * k3[i];
+      }
+      float* sh = s + h * n + j;
+      sh[0] = a0 * scale, sh[1] = a1 * scale, sh[2] = a2 * scale, sh[3] = a3 * scale;
+    }
+  }
+  for (; j < n; ++j) {
     const float* kj = keys + j * ld;
     for (int64_t h = 0; h < g; ++h) {
       const float* qh = q + h * qs;
@@ -247,7 +264,7 @@ EXL_INLINE void attend_group(const float* q, int64_t g, const float* keys, const
       for (int64_t j = 0; j < n; ++j) sh[j] = softcap * std::tanh(sh[j] / softcap);
     float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sh[j]);
+    for (int64_t j = 0; j < n; ++j) mx = sh[j] > mx ? sh[j] : mx;  // (std::max would not inline into the AVX2 instance)
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < n; ++j) {
