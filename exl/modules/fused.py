@@ -2,7 +2,8 @@
 extension (cuda_ext/csrc/cpu_fused.cpp) instead of chains of small torch ops.
 
 Each module keeps its plain-PyTorch code as the reference and asks `ops(x)` first: it returns
-the extension module when x is a float32 CPU tensor, the extension is built and the fast path is
+the extension module when x is a float32 CPU tensor, autograd is off (the fused ops have no
+backward; `CausalLM.forward` runs in inference mode), the extension is built and the fast path is
 on, else None (then the reference code runs). `disabled()` turns the fast path off for a block
 of code (tests and benchmarks compare both paths); EXL_NO_FUSED=1 turns it off for the process.
 """
@@ -32,8 +33,8 @@ def _load():
 
 
 def ops(x: torch.Tensor):
-    """The extension module when the fused ops apply to x (float32, CPU, extension built, on)."""
-    if not _enabled or x.dtype is not torch.float32 or x.device.type != "cpu":
+    """The extension module when the fused ops apply to x (float32, CPU, no autograd, built, on)."""
+    if not _enabled or x.dtype is not torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
         return None
     return (_ext if _ext is not None else _load()) or None
 
