@@ -146,6 +146,8 @@ def main(argv=None) -> dict:
                     help="torch CPU threads (default 1: stable on a shared box; 0 = torch's choice)")
     ap.add_argument("--page-size", type=int, default=256)
     ap.add_argument("--quick", action="store_true", help="fewer tokens and windows (a smoke run)")
+    ap.add_argument("--only", choices=("batching",), help="run only this part (batching: batch16_speedup and the cache "
+                                                         "memory check)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -179,6 +181,8 @@ def main(argv=None) -> dict:
     worst = memory_check(mem_gen, [doc[s : s + 20 + 7 * i] for i, s in enumerate(starts)], 12 if q else 40)
     res.update(cache_memory_ratio=round(worst, 3), cache_memory_ok=worst <= 1.0)
     log(f"cache memory: worst in-use / (held + one page per sequence) = {worst:.3f}")
+    if args.only == "batching":
+        return report(res, args.json)
 
     # -- prefix reuse ----------------------------------------------------------------------------------------------
     prefix = doc[5000:6500]
@@ -244,7 +248,11 @@ def main(argv=None) -> dict:
     res["cache_ppl"] = {k: round(v, 4) for k, v in ppl.items()}
     res["q4_cache_ppl_ratio"] = round(ppl["Q4"] / ppl["FP16"], 4)
     log(f"Q4 / FP16 cache perplexity: {res['q4_cache_ppl_ratio']:.4f}")
-    if args.json:
+    return report(res, args.json)
+
+
+def report(res: dict, as_json: bool) -> dict:
+    if as_json:
         print(json.dumps(res))
     else:
         for k, v in res.items():
