@@ -351,13 +351,15 @@ class Generator:
         out, best = [None] * len(segments), [None] * len(segments)
         if rows:
             lg = self.model.logits(h[0, torch.tensor(rows, device=h.device)][None])[0].cpu()  # sampled on the CPU
-            # One argmax over every row (plain greedy jobs take it; ties go to the first index, as in `process`).
-            vals, idx = lg[:, : self.vocab].max(-1)
-            top = [t if ok else None for t, ok in zip(idx.tolist(), torch.isfinite(vals).tolist())]
+            top = None
+            if any(j._run.plain_greedy for j, _, _ in segments):
+                # One argmax over every row, for the plain greedy jobs (ties go to the first index, as in `process`).
+                vals, idx = lg[:, : self.vocab].max(-1)
+                top = [t if ok else None for t, ok in zip(idx.tolist(), torch.isfinite(vals).tolist())]
             for i, sp in enumerate(spans):
                 if sp is not None:
                     out[i] = lg[sp[0] : sp[0] + sp[1]]
-                    best[i] = top[sp[0] : sp[0] + sp[1]]
+                    best[i] = top and top[sp[0] : sp[0] + sp[1]]
         return out, best
 
     # -- speculative decoding -------------------------------------------------------------------------------------
