@@ -76,8 +76,9 @@ def test_packed_batch_matches_separate_sequences(models):
         off += n
 
 
-@pytest.mark.parametrize("name,bits", [("mistral-window", None), ("gemma3", None), ("llama", (4, 8))])
-def test_batched_decode_attention_matches_per_sequence(models, name, bits, monkeypatch):
+@pytest.mark.parametrize("name,bits,drafts", [("mistral-window", None, True), ("gemma3", None, True),
+                                               ("gemma3", None, False), ("llama", (4, 8), True)])
+def test_batched_decode_attention_matches_per_sequence(models, name, bits, drafts, monkeypatch):
     """Many short segments (decode steps, drafts) attend together over gathered keys: the same outputs as one
     sequence at a time, and (float cache) as the full forward; over scattered pages, windows and softcap, and with
     4-bit per-channel keys (open and closed blocks) and 8-bit rotated values."""
@@ -86,7 +87,8 @@ def test_batched_decode_attention_matches_per_sequence(models, name, bits, monke
     model = models[name]
     kb, vb = bits or (None, None)
     g = torch.Generator().manual_seed(6)
-    lengths, new = [3, 9, 17, 30, 33, 12], [1, 1, 4, 1, 2, 1]  # 4 and 2: a decode token plus drafts
+    lengths = [3, 9, 17, 30, 33, 12]
+    new = [1, 1, 4, 1, 2, 1] if drafts else [1] * 6  # 4 and 2: a decode token plus drafts
     seqs = [torch.randint(0, BASE["vocab_size"], (1, n + k), generator=g) for n, k in zip(lengths, new)]
 
     def run(batched: bool):

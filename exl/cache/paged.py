@@ -522,8 +522,11 @@ class _Batched:
         self.valid = None if valid.all() else torch.from_numpy(np.flatnonzero(valid.reshape(-1))).to(device)
         self.out_rows = self.rows if self.valid is None else self.rows[self.valid]
         self.kslots = torch.from_numpy(kslots.reshape(-1)).to(device)
+        flat = rows.reshape(-1)  # rows r0, r0 + 1, ... (decode steps come first in a batch): slices, not gathers
+        self.span = (int(flat[0]), int(flat[0]) + len(flat)) if self.nq == 1 and (np.diff(flat) == 1).all() else None
         self.q_pos, self.device = q_pos, device
         self._bias: dict = {}
+        self._bufs = None
 
     @staticmethod
     def build(segments, device) -> "_Batched | None":
@@ -563,11 +566,13 @@ class _Batched:
         hq, d = q.shape[1], q.shape[2]
         hkv = c.config.num_kv_heads
         grp = hq // hkv
-        kbuf, vbuf = c.workspace(2, (hkv, g * L, d), q.dtype)
-        keys = c.k.gather(layer, self.kslots, kbuf).view(hkv, g, L, d)
-        values = c.v.gather(layer, self.kslots, vbuf).view(hkv, g, L, d)
+        if self._bufs is None or self._bufs[0].dtype != q.dtype:
+            self._bufs = c.workspace(2, (hkv, g * L, d), q.dtype)
+        keys = c.k.gather(layer, self.kslots, self._bufs[0]).view(hkv, g, L, d)
+        values = c.v.gather(layer, self.kslots, self._bufs[1]).view(hkv, g, L, d)
         # queries of one kv head side by side: [Hkv, G, grp * nq, D] (no K/V expansion)
-        qg = q.index_select(0, self.rows).view(g, nq, hkv, grp, d).permute(2, 0, 3, 1, 4).reshape(hkv, g, grp * nq, d)
+        qs = q[self.span[0] : self.span[1]] if self.span else q.index_select(0, self.rows)
+        qg = qs.view(g, nq, hkv, grp, d).permute(2, 0, 3, 1, 4).reshape(hkv, g, grp * nq, d)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(scale)
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
@@ -576,6 +581,9 @@ class _Batched:
             scores.view(hkv, g, grp, nq, L).add_(bias.to(scores.dtype))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         o = torch.matmul(probs, values).view(hkv, g, grp, nq, d).permute(1, 3, 0, 2, 4).reshape(g * nq, hq, d)
+        if self.span:
+            out[self.span[0] : self.span[1]] = o
+            return
         if self.valid is not None:
             o = o.index_select(0, self.valid)
         out.index_copy_(0, self.out_rows, o)
