@@ -156,10 +156,16 @@ struct Prep {
   int64_t quads;
   int M;
   int8_t* x;    // [quads, padded to 4 when M > 1][M][kQuadBytes]
-  // one row: [quads][16], the activation step of block 4q+t in lanes 4t..4t+3; several rows:
-  // [quads / 4][M][16], the step of block t of quad 4G+j in lane 4t+j (see multi_tile)
+  // several rows: [quads / 4][M][16], the activation step of block t of quad 4G+j in lane 4t+j
+  // (see multi_tile); unused for one row
   float* dq;
   float* gsc;   // 1 row: [n_groups] centre * gsum; several: [n_groups][16] (lane m: row m)
+  // one row: the segments' blocks in runs of 16 (4 quads); run u of segment s (global index
+  // run_start[s] + u) spans groups run_g[.] .. and run_idx[.][j] is block j's group counted from there
+  int run_start[kMaxSegments + 1];
+  int32_t* run_g;
+  int32_t* run_idx;
+  const float* d;  // one row: the activation steps [K / 32]
 };
 
 thread_local std::vector<uint8_t> tl_buf;
@@ -174,13 +180,34 @@ Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M) {
   }
   P.quad_start[L.segs.count] = int(P.quads);
   const int64_t padded = M == 1 ? P.quads : (P.quads + kQuad - 1) / kQuad * kQuad;
-  const size_t xb = size_t(M) * padded * kQuadBytes, db = size_t(M) * padded * 16 * 4;
-  const size_t gb = size_t(L.n_groups) * (M == 1 ? 1 : 16) * 4;
-  if (tl_buf.size() < xb + db + gb + 64) tl_buf.resize(xb + db + gb + 64);
+  const size_t xb = size_t(M) * padded * kQuadBytes, db = M == 1 ? 0 : size_t(M) * padded * 16 * 4;
+  const size_t gb = (size_t(L.n_groups) * (M == 1 ? 1 : 16) * 4 + 63) & ~size_t(63);
+  int runs = 0;
+  for (int s = 0; s < L.segs.count; ++s) {
+    P.run_start[s] = runs;
+    runs += (L.segs.seg[s].k_len / kBlock + 15) / 16;
+  }
+  P.run_start[L.segs.count] = runs;
+  const size_t rb = M == 1 ? size_t(runs) * 17 * 4 : 0;
+  if (tl_buf.size() < xb + db + gb + rb + 64) tl_buf.resize(xb + db + gb + rb + 64);
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(tl_buf.data()) + 63) & ~uintptr_t(63));
   P.x = reinterpret_cast<int8_t*>(base);
   P.dq = reinterpret_cast<float*>(base + xb);
   P.gsc = reinterpret_cast<float*>(base + xb + db);
+  P.run_idx = reinterpret_cast<int32_t*>(base + xb + db + gb);
+  P.run_g = P.run_idx + size_t(runs) * 16;
+  P.d = a.d + m0 * (L.K / kBlock);
+  if (M == 1) {
+    for (int s = 0; s < L.segs.count; ++s) {
+      const Segment& sg = L.segs.seg[s];
+      const int blocks = sg.k_len / kBlock, per = sg.group_size / kBlock;
+      for (int u = 0; u * 16 < blocks; ++u) {
+        const int r = P.run_start[s] + u, g0 = 16 * u / per;
+        P.run_g[r] = g0;
+        for (int j = 0; j < 16; ++j) P.run_idx[r * 16 + j] = 16 * u + j < blocks ? (16 * u + j) / per - g0 : 0;
+      }
+    }
+  }
   if (M > 1) memset(P.x, 0, xb + db);  // padding quads and blocks
   const int64_t nb = L.K / kBlock;
   const __m512i ilo = _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), ihi = _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15);
@@ -202,9 +229,7 @@ Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M) {
         _mm512_store_si512(xa + qi * M * kQuadBytes, _mm512_permutex2var_epi64(A, ilo, B));
         _mm512_store_si512(xa + qi * M * kQuadBytes + 64, _mm512_permutex2var_epi64(A, ihi, B));
         const __m512 dv = spread4(_mm_maskz_loadu_ps(__mmask8((1 << n) - 1), d + b));
-        if (M == 1)
-          _mm512_store_ps(dq + qi * 16, dv);
-        else
+        if (M > 1)
           _mm512_mask_store_ps(dq + (qi / kQuad) * M * 16, __mmask16(0x1111 << (qi % kQuad)), dv);
       }
     }
@@ -226,10 +251,15 @@ Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M) {
 // ---------------------------------------------------------------------------------------------
 // One activation row: NR weight rows at a time share each quad of activations.
 
-template <int BITS, int PER, int NR>
-EXL_INLINE void row_segment(const Layer& L, const Segment& sg, const int8_t* xa, const float* dq, int64_t n,
-                            __m512 (&acc)[NR]) {
-  const int blocks = sg.k_len / kBlock;
+// Per run of 16 blocks, each row's combined block scales (weight scale of the block's group times
+// the activation step) are built in one vector (16 fp16 scales converted at once, permuted to the
+// blocks), then spread to each quad's lanes by a permute.
+template <int BITS, int NR>
+EXL_INLINE void row_segment(const Layer& L, const Prep& P, int s, int64_t n, __m512 (&acc)[NR]) {
+  const Segment& sg = L.segs.seg[s];
+  const int blocks = sg.k_len / kBlock, seg_groups = sg.k_len / sg.group_size;
+  const int8_t* xa = P.x + int64_t(P.quad_start[s]) * kQuadBytes;
+  const float* dseg = P.d + sg.k_start / kBlock;
   const uint8_t* w[NR];
   const uint16_t* sr[NR];
   for (int r = 0; r < NR; ++r) {
@@ -237,53 +267,35 @@ EXL_INLINE void row_segment(const Layer& L, const Segment& sg, const int8_t* xa,
     sr[r] = L.qscale + (n + r) * L.n_groups + sg.group_start;
   }
   constexpr int qb = kQuad * 4 * BITS;  // packed bytes of a quad
-  if constexpr (PER == 4) {  // groups of whole quads: sum a group, then scale it
-    const int per_group = sg.group_size / kBlock / kQuad;
-    for (int g = 0, q = 0; g < blocks / (kQuad * per_group); ++g) {
-      __m512 gacc[NR];
-      for (int r = 0; r < NR; ++r) gacc[r] = _mm512_setzero_ps();
-      for (int j = 0; j < per_group; ++j, ++q) {
-        const __m512i xlo = _mm512_load_si512(xa + q * kQuadBytes), xhi = _mm512_load_si512(xa + q * kQuadBytes + 64);
-        const __m512 d = _mm512_load_ps(dq + q * 16);
-        for (int r = 0; r < NR; ++r) {
-          __m512i lo, hi;
-          unpack_quad<BITS, true>(w[r] + int64_t(q) * qb, kQuad, lo, hi);
-          gacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_quad(lo, hi, xlo, xhi)), d, gacc[r]);
-        }
-      }
-      for (int r = 0; r < NR; ++r) acc[r] = _mm512_fmadd_ps(gacc[r], _mm512_set1_ps(_cvtsh_ss(sr[r][g])), acc[r]);
-    }
-  } else {
-    const int per = sg.group_size / kBlock;
-    auto step = [&](int q, int nb, auto full) EXL_INLINE_LAMBDA {
+  const __m512i base = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  for (int u = 0; 16 * u < blocks; ++u) {
+    const int run = P.run_start[s] + u, b0 = 16 * u;
+    const int nbk = blocks - b0 < 16 ? blocks - b0 : 16;
+    const int g0 = P.run_g[run], gc = seg_groups - g0 < 16 ? seg_groups - g0 : 16;
+    const __m512i idx = _mm512_load_si512(P.run_idx + int64_t(run) * 16);
+    const __m512 dv = _mm512_maskz_loadu_ps(__mmask16((1u << nbk) - 1), dseg + b0);
+    __m512 cs[NR];
+    for (int r = 0; r < NR; ++r)
+      cs[r] = _mm512_mul_ps(_mm512_permutexvar_ps(idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(__mmask16((1u << gc) - 1), sr[r] + g0))), dv);
+    auto step = [&](int k, int nb, auto full) EXL_INLINE_LAMBDA {
       constexpr bool F = decltype(full)::value;
+      const int q = 4 * u + k;
       const __m512i xlo = _mm512_load_si512(xa + q * kQuadBytes), xhi = _mm512_load_si512(xa + q * kQuadBytes + 64);
-      const __m512 d = _mm512_load_ps(dq + q * 16);
+      const __m512i spread = _mm512_add_epi32(base, _mm512_set1_epi32(4 * k));
       for (int r = 0; r < NR; ++r) {
         __m512i lo, hi;
         unpack_quad<BITS, F>(w[r] + int64_t(q) * qb, nb, lo, hi);
-        const __m512 sc = _mm512_mul_ps(d, quad_scales<PER>(sr[r], per, q, nb, F));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_quad(lo, hi, xlo, xhi)), sc, acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_quad(lo, hi, xlo, xhi)), _mm512_permutexvar_ps(spread, cs[r]), acc[r]);
       }
     };
-    int q = 0;
-    for (; (q + 1) * kQuad <= blocks; ++q) step(q, kQuad, std::true_type());
-    if (q * kQuad < blocks) step(q, blocks - q * kQuad, std::false_type());
+    if (nbk == 16) {
+      for (int k = 0; k < 4; ++k) step(k, kQuad, std::true_type());
+    } else {
+      int k = 0;
+      for (; 4 * (k + 1) <= nbk; ++k) step(k, kQuad, std::true_type());
+      if (4 * k < nbk) step(k, nbk - 4 * k, std::false_type());
+    }
   }
-}
-
-template <int BITS, int NR>
-EXL_INLINE void row_segment_any(const Layer& L, const Segment& sg, const int8_t* xa, const float* dq, int64_t n,
-                                __m512 (&acc)[NR]) {
-  const int per = sg.group_size / kBlock;
-  if (per == 1)
-    row_segment<BITS, 1, NR>(L, sg, xa, dq, n, acc);
-  else if (per == 2)
-    row_segment<BITS, 2, NR>(L, sg, xa, dq, n, acc);
-  else if (per % kQuad == 0)
-    row_segment<BITS, 4, NR>(L, sg, xa, dq, n, acc);
-  else
-    row_segment<BITS, 0, NR>(L, sg, xa, dq, n, acc);
 }
 
 // sum_g s[g] * gsc[g] over a row's n_groups scales (the grid centre's share), in a vector.
@@ -301,18 +313,15 @@ void row_tile(const Layer& L, const Prep& P, float* y, int64_t n) {
   __m512 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
   for (int s = 0; s < L.segs.count; ++s) {
-    const Segment& sg = L.segs.seg[s];
-    const int8_t* xa = P.x + int64_t(P.quad_start[s]) * kQuadBytes;
-    const float* dq = P.dq + int64_t(P.quad_start[s]) * 16;
-    switch (sg.bits) {
-      case 1: row_segment_any<1, NR>(L, sg, xa, dq, n, acc); break;
-      case 2: row_segment_any<2, NR>(L, sg, xa, dq, n, acc); break;
-      case 3: row_segment_any<3, NR>(L, sg, xa, dq, n, acc); break;
-      case 4: row_segment_any<4, NR>(L, sg, xa, dq, n, acc); break;
-      case 5: row_segment_any<5, NR>(L, sg, xa, dq, n, acc); break;
-      case 6: row_segment_any<6, NR>(L, sg, xa, dq, n, acc); break;
-      case 7: row_segment_any<7, NR>(L, sg, xa, dq, n, acc); break;
-      default: row_segment_any<8, NR>(L, sg, xa, dq, n, acc); break;
+    switch (L.segs.seg[s].bits) {
+      case 1: row_segment<1, NR>(L, P, s, n, acc); break;
+      case 2: row_segment<2, NR>(L, P, s, n, acc); break;
+      case 3: row_segment<3, NR>(L, P, s, n, acc); break;
+      case 4: row_segment<4, NR>(L, P, s, n, acc); break;
+      case 5: row_segment<5, NR>(L, P, s, n, acc); break;
+      case 6: row_segment<6, NR>(L, P, s, n, acc); break;
+      case 7: row_segment<7, NR>(L, P, s, n, acc); break;
+      default: row_segment<8, NR>(L, P, s, n, acc); break;
     }
   }
   for (int r = 0; r < NR; ++r)
