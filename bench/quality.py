@@ -123,6 +123,18 @@ def llama_logits(gguf, ctx):
     return fn
 
 
+def cached_eval(path: Path, ev: Evaluator, compute) -> dict:
+    """`compute()` once per model file or folder and evaluation setup: kept next to the model, so a rerun
+    (e.g. after an interrupted table) only evaluates what is new. Reconverting (--fresh) drops it."""
+    tag = f"eval-{len(ev.windows)}x{ev.windows[0].numel()}.json"
+    f = path / tag if path.is_dir() else path.with_name(f"{path.name}.{tag}")
+    if f.is_file():
+        return json.loads(f.read_text())
+    r = compute()
+    f.write_text(json.dumps(r))
+    return r
+
+
 def gguf_decoder_bpw(path) -> float:
     from gguf import GGUFReader
 
@@ -230,7 +242,7 @@ def run(args) -> dict:
                          note=f"KLD vs exl float32: {ev.cross_kld('exl', 'llama.cpp'):.5f}"))
         for q in QUICK_TYPES if args.quick else LLAMA_TYPES:
             path = llama_cpp_model(rot, q)
-            r = ev.evaluate(llama_logits(path, args.ctx), "llama.cpp")
+            r = cached_eval(path, ev, lambda: ev.evaluate(llama_logits(path, args.ctx), "llama.cpp"))
             llama_sizes[q] = gguf_decoder_bpw(path)
             rows.append(dict(group="llama.cpp (token embedding F16, head Q8_0)", label=q, bpw=llama_sizes[q],
                              head="Q8_0", **r))
@@ -248,7 +260,7 @@ def run(args) -> dict:
         if state["measurement"] is None and reusable:
             state["measurement"] = folder / "measurement.json"
         rep = report_of(folder)
-        r = ev.evaluate(exl_logits(folder), "exl", batch=4)
+        r = cached_eval(folder, ev, lambda: ev.evaluate(exl_logits(folder), "exl", batch=4))
         head = rep["head"]["setting"] if rep.get("head") else "F16"
         rows.append(dict(group=group, label=label, bpw=rep["measured_bpw"], head=head, **r, note=note,
                          predicted_kl=rep["predicted_kl"], calib_kl=rep["eval"]["kl"],
