@@ -263,7 +263,9 @@ def run(args) -> dict:
         r = cached_eval(folder, ev, lambda: ev.evaluate(exl_logits(folder), "exl", batch=4))
         head = rep["head"]["setting"] if rep.get("head") else "F16"
         rows.append(dict(group=group, label=label, bpw=rep["measured_bpw"], head=head, **r, note=note,
-                         predicted_kl=rep["predicted_kl"], calib_kl=rep["eval"]["kl"],
+                         # with sensitivity "mse" the optimizer's prediction is an output error, not a KL
+                         predicted_kl=None if options.get("sensitivity") == "mse" else rep["predicted_kl"],
+                         calib_kl=rep["eval"]["kl"],
                          convert_s=rep.get("timings", {}).get("total"), reused=reuse is not None))
         print(f"{label}: {rep['measured_bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f} "
               f"(predicted {rep['predicted_kl']:.4f}; {time.time() - t:.0f} s)", flush=True)
@@ -368,7 +370,9 @@ def markdown(results: dict) -> str:
             lines += ["", f"**{group}**", "", "| model | bpw | head | ppl | KLD | notes |", "|---|---|---|---|---|---|"]
         note = r.get("note", "")
         if "predicted_kl" in r:
-            extra = f"predicted ΔKL {r['predicted_kl']:.3f}, calibration KL {r['calib_kl']:.3f}"
+            extra = f"calibration KL {r['calib_kl']:.3f}"
+            if r["predicted_kl"] is not None:
+                extra = f"predicted ΔKL {r['predicted_kl']:.3f}, {extra}"
             if r.get("convert_s") is not None:
                 extra += f", converted in {r['convert_s']:.0f} s" + (" (-m)" if r.get("reused") else "")
             note = f"{note}; {extra}" if note else extra
