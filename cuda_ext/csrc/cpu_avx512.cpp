@@ -35,6 +35,7 @@ namespace v256 {
 constexpr int kQuad = 4;                   // blocks per quad
 constexpr int kQuadBytes = kQuad * kBlock;  // int8 activations of a quad: 64 bytes lo + 64 hi
 constexpr int kMaxRows = 16;                // activation rows per pass over the weights
+constexpr int kRegRows = 4;                 // up to this many: codes stay in registers (row_tile)
 
 // All bits up to n (0 <= n <= 64) of a byte mask.
 EXL_INLINE __mmask64 byte_mask(int n) {
@@ -188,7 +189,7 @@ Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M) {
     runs += (L.segs.seg[s].k_len / kBlock + 15) / 16;
   }
   P.run_start[L.segs.count] = runs;
-  const size_t rb = M == 1 ? size_t(runs) * 17 * 4 : 0;
+  const size_t rb = M <= kRegRows ? size_t(runs) * 17 * 4 : 0;
   if (tl_buf.size() < xb + db + gb + rb + 64) tl_buf.resize(xb + db + gb + rb + 64);
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(tl_buf.data()) + 63) & ~uintptr_t(63));
   P.x = reinterpret_cast<int8_t*>(base);
@@ -197,7 +198,7 @@ Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M) {
   P.run_idx = reinterpret_cast<int32_t*>(base + xb + db + gb);
   P.run_g = P.run_idx + size_t(runs) * 16;
   P.d = a.d + m0 * (L.K / kBlock);
-  if (M == 1) {
+  if (M <= kRegRows) {
     for (int s = 0; s < L.segs.count; ++s) {
       const Segment& sg = L.segs.seg[s];
       const int blocks = sg.k_len / kBlock, per = sg.group_size / kBlock;
@@ -254,11 +255,12 @@ Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M) {
 // Per run of 16 blocks, each row's combined block scales (weight scale of the block's group times
 // the activation step) are built in one vector (16 fp16 scales converted at once, permuted to the
 // blocks), then spread to each quad's lanes by a permute.
-template <int BITS, int NR>
-EXL_INLINE void row_segment(const Layer& L, const Prep& P, int s, int64_t n, __m512 (&acc)[NR]) {
+template <int BITS, int NR, int MR>
+EXL_INLINE void row_segment(const Layer& L, const Prep& P, int s, int64_t n, __m512 (&acc)[NR][MR]) {
   const Segment& sg = L.segs.seg[s];
   const int blocks = sg.k_len / kBlock, seg_groups = sg.k_len / sg.group_size;
-  const int8_t* xa = P.x + int64_t(P.quad_start[s]) * kQuadBytes;
+  const int64_t nbk_all = L.K / kBlock;
+  const int8_t* xa = P.x + int64_t(P.quad_start[s]) * MR * kQuadBytes;
   const float* dseg = P.d + sg.k_start / kBlock;
   const uint8_t* w[NR];
   const uint16_t* sr[NR];
@@ -273,19 +275,27 @@ EXL_INLINE void row_segment(const Layer& L, const Prep& P, int s, int64_t n, __m
     const int nbk = blocks - b0 < 16 ? blocks - b0 : 16;
     const int g0 = P.run_g[run], gc = seg_groups - g0 < 16 ? seg_groups - g0 : 16;
     const __m512i idx = _mm512_load_si512(P.run_idx + int64_t(run) * 16);
-    const __m512 dv = _mm512_maskz_loadu_ps(__mmask16((1u << nbk) - 1), dseg + b0);
-    __m512 cs[NR];
-    for (int r = 0; r < NR; ++r)
-      cs[r] = _mm512_mul_ps(_mm512_permutexvar_ps(idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(__mmask16((1u << gc) - 1), sr[r] + g0))), dv);
+    __m512 cs[NR][MR];
+    for (int r = 0; r < NR; ++r) {
+      const __m512 sw = _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(__mmask16((1u << gc) - 1), sr[r] + g0)));
+      for (int m = 0; m < MR; ++m)
+        cs[r][m] = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(__mmask16((1u << nbk) - 1), dseg + m * nbk_all + b0));
+    }
     auto step = [&](int k, int nb, auto full) EXL_INLINE_LAMBDA {
       constexpr bool F = decltype(full)::value;
       const int q = 4 * u + k;
-      const __m512i xlo = _mm512_load_si512(xa + q * kQuadBytes), xhi = _mm512_load_si512(xa + q * kQuadBytes + 64);
+      __m512i xlo[MR], xhi[MR];
+      for (int m = 0; m < MR; ++m) {
+        xlo[m] = _mm512_load_si512(xa + (int64_t(q) * MR + m) * kQuadBytes);
+        xhi[m] = _mm512_load_si512(xa + (int64_t(q) * MR + m) * kQuadBytes + 64);
+      }
       const __m512i spread = _mm512_add_epi32(base, _mm512_set1_epi32(4 * k));
       for (int r = 0; r < NR; ++r) {
         __m512i lo, hi;
         unpack_quad<BITS, F>(w[r] + int64_t(q) * qb, nb, lo, hi);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_quad(lo, hi, xlo, xhi)), _mm512_permutexvar_ps(spread, cs[r]), acc[r]);
+        for (int m = 0; m < MR; ++m)
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_quad(lo, hi, xlo[m], xhi[m])),
+                                      _mm512_permutexvar_ps(spread, cs[r][m]), acc[r][m]);
       }
     };
     if (nbk == 16) {
@@ -308,40 +318,62 @@ EXL_INLINE __m512 centre_row(const uint16_t* srow, const float* gsc, int64_t n_g
   return c;
 }
 
-template <int NR>
-void row_tile(const Layer& L, const Prep& P, float* y, int64_t n) {
-  __m512 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int s = 0; s < L.segs.count; ++s) {
-    switch (L.segs.seg[s].bits) {
-      case 1: row_segment<1, NR>(L, P, s, n, acc); break;
-      case 2: row_segment<2, NR>(L, P, s, n, acc); break;
-      case 3: row_segment<3, NR>(L, P, s, n, acc); break;
-      case 4: row_segment<4, NR>(L, P, s, n, acc); break;
-      case 5: row_segment<5, NR>(L, P, s, n, acc); break;
-      case 6: row_segment<6, NR>(L, P, s, n, acc); break;
-      case 7: row_segment<7, NR>(L, P, s, n, acc); break;
-      default: row_segment<8, NR>(L, P, s, n, acc); break;
-    }
+// Lane m: sum_g s[g] * gsc[g][m], the grid centre's share for activation row m (Prep, M > 1).
+EXL_INLINE __m512 centre_rows(const uint16_t* srow, const float* gsc, int64_t n_groups) {
+  alignas(64) float sf[16];
+  __m512 cen = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < n_groups; g0 += 16) {
+    const int64_t cnt = n_groups - g0 < 16 ? n_groups - g0 : 16;
+    _mm512_store_ps(sf, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(__mmask16((1u << cnt) - 1), srow + g0)));
+    for (int64_t g = 0; g < cnt; ++g) cen = _mm512_fmadd_ps(_mm512_set1_ps(sf[g]), _mm512_load_ps(gsc + (g0 + g) * 16), cen);
   }
-  for (int r = 0; r < NR; ++r)
-    y[n + r] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[r], centre_row(L.qscale + (n + r) * L.n_groups, P.gsc, L.n_groups)));
+  return cen;
 }
 
-void gemv_rows1(const Layer& L, const Prep& P, float* y, int64_t n0, int64_t n1) {
-  constexpr int NR = 4;
+// NR weight rows against MR (1..kRegRows) activation rows, codes unpacked once into registers.
+template <int NR, int MR>
+void row_tile(const Layer& L, const Prep& P, float* y, int64_t ldy, int64_t n) {
+  __m512 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int s = 0; s < L.segs.count; ++s) {
+    switch (L.segs.seg[s].bits) {
+      case 1: row_segment<1, NR, MR>(L, P, s, n, acc); break;
+      case 2: row_segment<2, NR, MR>(L, P, s, n, acc); break;
+      case 3: row_segment<3, NR, MR>(L, P, s, n, acc); break;
+      case 4: row_segment<4, NR, MR>(L, P, s, n, acc); break;
+      case 5: row_segment<5, NR, MR>(L, P, s, n, acc); break;
+      case 6: row_segment<6, NR, MR>(L, P, s, n, acc); break;
+      case 7: row_segment<7, NR, MR>(L, P, s, n, acc); break;
+      default: row_segment<8, NR, MR>(L, P, s, n, acc); break;
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const uint16_t* srow = L.qscale + (n + r) * L.n_groups;
+    if constexpr (MR == 1) {
+      y[n + r] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[r][0], centre_row(srow, P.gsc, L.n_groups)));
+    } else {
+      alignas(64) float cv[16];
+      _mm512_store_ps(cv, centre_rows(srow, P.gsc, L.n_groups));
+      for (int m = 0; m < MR; ++m) y[m * ldy + n + r] = _mm512_reduce_add_ps(acc[r][m]) - cv[m];
+    }
+  }
+}
+
+template <int NR, int MR>
+void gemv_rows(const Layer& L, const Prep& P, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   v256::prefetch_range(L.qweight + n0 * L.row_bytes,
                        std::min<int64_t>((n1 - n0) * L.row_bytes, v256::kPrefetchBytes));
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
     v256::prefetch_rows(L, n, NR, n1);
-    row_tile<NR>(L, P, y, n);
+    row_tile<NR, MR>(L, P, y, ldy, n);
   }
-  for (; n < n1; ++n) row_tile<1>(L, P, y, n);
+  for (; n < n1; ++n) row_tile<1, MR>(L, P, y, ldy, n);
 }
 
 // ---------------------------------------------------------------------------------------------
-// Several activation rows (2..16): each weight row is unpacked once, a chunk of quads at a time,
+// More activation rows (kRegRows+1 .. 16): each weight row is unpacked once, a chunk of quads at a time,
 // into an L1 buffer of codes (quad order) and per-lane weight scales; every activation row is
 // then dotted against it (tiles of up to 8 rows, one accumulator each).
 constexpr int kChunkQuads = 64;
@@ -537,10 +569,14 @@ void gemv_q8(const Layer& L, const ActQ8& a, float* y, int64_t ldy, int64_t n0, 
   for (int64_t m0 = 0; m0 < a.M; m0 += kMaxRows) {
     const int M = int(a.M - m0 < kMaxRows ? a.M - m0 : kMaxRows);
     const Prep P = prepare(L, a, m0, M);
-    if (M == 1)
-      gemv_rows1(L, P, y + m0 * ldy, n0, n1);
-    else
-      gemv_multi(L, P, y, ldy, n0, n1, m0, M);
+    float* ym = y + m0 * ldy;
+    switch (M) {
+      case 1: gemv_rows<4, 1>(L, P, ym, ldy, n0, n1); break;
+      case 2: gemv_rows<4, 2>(L, P, ym, ldy, n0, n1); break;
+      case 3: gemv_rows<2, 3>(L, P, ym, ldy, n0, n1); break;
+      case 4: gemv_rows<2, 4>(L, P, ym, ldy, n0, n1); break;
+      default: gemv_multi(L, P, y, ldy, n0, n1, m0, M); break;
+    }
   }
 }
 
