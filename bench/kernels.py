@@ -2,6 +2,12 @@
 
     python bench/kernels.py              # CPU kernels (float32 activations) vs dense fp32 F.linear
     python bench/kernels.py --cuda       # CUDA kernels (float16) vs dense fp16 F.linear
+    python bench/kernels.py --isas avxvnni,avx512vnni [--model DIR]   # int8 GEMV per instruction set
+
+The --isas mode times the int8-activation GEMV of each instruction set on SmolLM2's real segment
+mixes (hot, one row; the cost of each extra activation row from 2 to 16 rows) and, with --model,
+a cold decode step: every QuantLinear of the model once, one after another. It uses thread CPU
+time (best of several runs), which a busy machine disturbs less than wall time.
 
 Shapes are N x K (out x in): q/o_proj 576x576, gate/up 1536x576, down 576x1536, lm_head 49152x576.
 Prints the best of repeated runs, the speed ratio to F.linear and the rate at which the packed
@@ -75,6 +81,94 @@ def bench_cpu(args):
                       flush=True)
 
 
+# (N, segments) of SmolLM2-135M's layers at 4.0 bpw: 576 = 512 + a 64-channel tail segment
+ISA_SHAPES = [
+    (1536, [(512, 4, 128), (64, 4, 64)]),  # gate/up, 4-bit
+    (1536, [(576, 4, 32)]),
+    (1536, [(512, 3, 128), (64, 3, 64)]),
+    (1536, [(512, 5, 128), (64, 5, 64)]),
+    (1536, [(576, 6, 64)]),
+    (576, [(1536, 4, 128)]),  # down
+    (576, [(128, 4, 128), (384, 3, 128), (64, 3, 64)]),  # o_proj-like mix
+    (49152, [(576, 6, 64)]),  # lm_head
+]
+
+
+def mixed_layer(n, segs, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    segs = [F.Segment(*s) for s in segs]
+    codes = torch.cat([torch.randint(0, 2**s.bits, (n, s.k_len), generator=g) for s in segs], 1).to(torch.uint8)
+    ng = sum(s.n_groups for s in segs)
+    return {"qweight": F.pack_codes(codes, segs), "qscale": (torch.rand(n, ng, generator=g) * 0.02).half(),
+            "qmeta": F.segments_to_meta(segs)}
+
+
+def cpu_time(fn, reps, rounds=9):
+    for _ in range(2):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.thread_time()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.thread_time() - t0) / reps)
+    return best
+
+
+def bench_isas(args):
+    import cuda_ext
+
+    ext = cuda_ext.build.load_cpu()
+    isas = [i for i in args.isas if i in ext.isa_names()]
+    print(f"CPU int8 GEMV, {torch.get_num_threads()} thread(s); instruction sets {', '.join(isas)} "
+          f"(available: {', '.join(ext.isa_names())})")
+    print("hot, one activation row, us per call:")
+    print(f"{'N x K':>12} {'segments':<42}" + "".join(f"{i:>12}" for i in isas))
+    for n, segs in ISA_SHAPES:
+        t = mixed_layer(n, segs)
+        k = sum(s[0] for s in segs)
+        x = torch.randn(1, k)
+        row = []
+        for isa in isas:
+            q = ext.QuantLinearCPU(t["qweight"], t["qscale"], t["qmeta"], None, None, None, None, isa)
+            row.append(cpu_time(lambda: q.forward(x, "int8"), 50 if n < 10000 else 3))
+        print(f"{n:>6}x{k:<5} {str(segs):<42}" + "".join(f"{v * 1e6:>12.1f}" for v in row), flush=True)
+    print("several activation rows: us per call for M rows, and per extra row from 2 to 16:")
+    for n, segs in [ISA_SHAPES[0], ISA_SHAPES[2], ISA_SHAPES[5]]:
+        t = mixed_layer(n, segs)
+        k = sum(s[0] for s in segs)
+        for isa in isas:
+            q = ext.QuantLinearCPU(t["qweight"], t["qscale"], t["qmeta"], None, None, None, None, isa)
+            xs = {m: torch.randn(m, k) for m in (1, 2, 4, 8, 16)}
+            ts = {m: cpu_time(lambda: q.forward(xs[m], "int8"), 20) for m in xs}
+            per = (ts[16] - ts[2]) / 14
+            print(f"{n:>6}x{k:<5} {isa:>11}: " + " ".join(f"M{m}={v * 1e6:.0f}" for m, v in ts.items())
+                  + f"  extra row {per * 1e6:.1f} us", flush=True)
+    if args.model:
+        import exl
+        from exl.modules.quant_linear import QuantLinear
+
+        model = exl.load_model(args.model, progress=False)
+        qls = [mod for mod in model.modules() if isinstance(mod, QuantLinear)]
+        xs = [torch.randn(1, 1, mod.in_features) for mod in qls]
+        for mod, x in zip(qls, xs):
+            mod(x)
+
+        def step():
+            for mod, x in zip(qls, xs):
+                mod(x)
+
+        res = {}
+        for _ in range(3):  # interleaved rounds: drifting machine load hits every ISA alike
+            for isa in isas:
+                for mod in qls:
+                    mod._kernel.isa = isa
+                res[isa] = min(res.get(isa, float("inf")), cpu_time(step, 5, rounds=3))
+        print(f"cold decode step (all {len(qls)} QuantLinear of {Path(args.model).name} once each), ms per token:")
+        for isa in isas:
+            print(f"{isa:>11}: {res[isa] * 1e3:.2f}")
+
+
 def bench_cuda(args):
     import cuda_ext
 
@@ -109,11 +203,14 @@ def main():
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--shapes", type=lambda s: [tuple(int(d) for d in v.split("x")) for v in s.split(",")],
                     default=None, help="N x K list, e.g. 576x1536,49152x576 (default: the SmolLM2 shapes)")
+    ap.add_argument("--isas", type=lambda s: s.split(","), default=None,
+                    help="compare the int8 GEMV of these instruction sets, e.g. avxvnni,avx512vnni")
+    ap.add_argument("--model", default=None, help="with --isas: an exl model folder for the cold decode step")
     ap.add_argument("--paths", type=lambda s: s.split(","), default=None, help="e.g. int8,gemm (default by rows)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    (bench_cuda if args.cuda else bench_cpu)(args)
+    (bench_cuda if args.cuda else bench_isas if args.isas else bench_cpu)(args)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,18 @@ def llama_logits(gguf, ctx):
     return fn
 
 
+def cached_eval(path: Path, ev: Evaluator, compute) -> dict:
+    """`compute()` once per model file or folder and evaluation setup: kept next to the model, so a rerun
+    (e.g. after an interrupted table) only evaluates what is new. Reconverting (--fresh) drops it."""
+    tag = f"eval-{len(ev.windows)}x{ev.windows[0].numel()}.json"
+    f = path / tag if path.is_dir() else path.with_name(f"{path.name}.{tag}")
+    if f.is_file():
+        return json.loads(f.read_text())
+    r = compute()
+    f.write_text(json.dumps(r))
+    return r
+
+
 def gguf_decoder_bpw(path) -> float:
     from gguf import GGUFReader
 
@@ -230,7 +242,7 @@ def run(args) -> dict:
                          note=f"KLD vs exl float32: {ev.cross_kld('exl', 'llama.cpp'):.5f}"))
         for q in QUICK_TYPES if args.quick else LLAMA_TYPES:
             path = llama_cpp_model(rot, q)
-            r = ev.evaluate(llama_logits(path, args.ctx), "llama.cpp")
+            r = cached_eval(path, ev, lambda: ev.evaluate(llama_logits(path, args.ctx), "llama.cpp"))
             llama_sizes[q] = gguf_decoder_bpw(path)
             rows.append(dict(group="llama.cpp (token embedding F16, head Q8_0)", label=q, bpw=llama_sizes[q],
                              head="Q8_0", **r))
@@ -248,10 +260,12 @@ def run(args) -> dict:
         if state["measurement"] is None and reusable:
             state["measurement"] = folder / "measurement.json"
         rep = report_of(folder)
-        r = ev.evaluate(exl_logits(folder), "exl", batch=4)
+        r = cached_eval(folder, ev, lambda: ev.evaluate(exl_logits(folder), "exl", batch=4))
         head = rep["head"]["setting"] if rep.get("head") else "F16"
         rows.append(dict(group=group, label=label, bpw=rep["measured_bpw"], head=head, **r, note=note,
-                         predicted_kl=rep["predicted_kl"], calib_kl=rep["eval"]["kl"],
+                         # with sensitivity "mse" the optimizer's prediction is an output error, not a KL
+                         predicted_kl=None if options.get("sensitivity") == "mse" else rep["predicted_kl"],
+                         calib_kl=rep["eval"]["kl"],
                          convert_s=rep.get("timings", {}).get("total"), reused=reuse is not None))
         print(f"{label}: {rep['measured_bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f} "
               f"(predicted {rep['predicted_kl']:.4f}; {time.time() - t:.0f} s)", flush=True)
@@ -356,7 +370,9 @@ def markdown(results: dict) -> str:
             lines += ["", f"**{group}**", "", "| model | bpw | head | ppl | KLD | notes |", "|---|---|---|---|---|---|"]
         note = r.get("note", "")
         if "predicted_kl" in r:
-            extra = f"predicted ΔKL {r['predicted_kl']:.3f}, calibration KL {r['calib_kl']:.3f}"
+            extra = f"calibration KL {r['calib_kl']:.3f}"
+            if r["predicted_kl"] is not None:
+                extra = f"predicted ΔKL {r['predicted_kl']:.3f}, {extra}"
             if r.get("convert_s") is not None:
                 extra += f", converted in {r['convert_s']:.0f} s" + (" (-m)" if r.get("reused") else "")
             note = f"{note}; {extra}" if note else extra

@@ -38,14 +38,14 @@ def prepare(bits: float = 4.0, seed: int = 0) -> tuple[Path, Path]:
     rotated = root / f"smollm2-rotated-s{seed}"
     if not (rotated / "config.json").is_file():
         rotate_model(smollm2_dir(), rotated, seed=seed)
-    exl_dir = root / f"smollm2-rotated-s{seed}-exl-{bits}bpw"
+    exl_dir = root / "quality" / f"exl-{bits}"  # the same conversion bench/quality.py evaluates
     if not (exl_dir / "config.json").is_file():
         subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "convert.py"), "-i", str(rotated),
                         "-o", str(exl_dir), "-b", str(bits)], check=True)
     f32 = root / f"smollm2-rotated-s{seed}-f32.gguf"
     if not f32.is_file():
         export_gguf(rotated, f32, "f32")
-    q4 = root / f"smollm2-rotated-s{seed}-Q4_0.gguf"
+    q4 = root / f"smollm2-rotated-s{seed}-Q4_0-embF16-headQ8_0.gguf"  # shared with bench/quality.py
     if not q4.is_file():
         llamacpp.quantize(f32, q4, "Q4_0", embedding="F16", head="Q8_0")
     return exl_dir, q4

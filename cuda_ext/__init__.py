@@ -1,4 +1,4 @@
-"""exl's compiled kernels: CPU (C++, AVX2/AVX-VNNI with a scalar fallback) and CUDA.
+"""exl's compiled kernels: CPU (C++: AVX-512 VNNI, AVX-VNNI or AVX2, chosen at run time, with a scalar fallback) and CUDA.
 
 `cpu()` / `cuda()` return the extension module, building it on first use (cached), or None when
 it cannot be built; then exl falls back to the plain-PyTorch reference path and warns once.

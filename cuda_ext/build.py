@@ -1,6 +1,6 @@
 """Build the exl C++/CUDA extensions: JIT (torch.utils.cpp_extension.load + ninja, cached) or prebuilt.
 
-The CPU library is compiled for baseline x86-64 with AVX2/AVX-VNNI code in separately targeted
+The CPU library is compiled for baseline x86-64 with AVX2/AVX-VNNI/AVX-512 code in separately targeted
 functions (see csrc/cpu_kernels.h), so one cached build runs on every machine of the architecture
 and picks its instruction set at run time. Builds are cached under ``$TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/exl/torch_extensions``, in a folder named after a hash of the sources and flags.
@@ -19,7 +19,7 @@ import sysconfig
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-CPU_SOURCES = ["cpu_ops.cpp", "cpu_scalar.cpp", "cpu_avx2.cpp", "cpu_avxvnni.cpp", "cpu_fused.cpp"]
+CPU_SOURCES = ["cpu_ops.cpp", "cpu_scalar.cpp", "cpu_avx2.cpp", "cpu_avxvnni.cpp", "cpu_avx512.cpp", "cpu_fused.cpp"]
 CUDA_SOURCES = ["cuda_ops.cpp", "cuda_kernels.cu"]
 CXX_FLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-Wno-unused-function")
 # at::parallel_for is a header template: without -fopenmp it runs serially inside the extension.

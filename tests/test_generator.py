@@ -109,6 +109,26 @@ def test_batched_equals_single_and_reference(small):
     assert cache.pages_in_use == 0 and cache.reserved == 0
 
 
+def test_plain_greedy_takes_the_batch_argmax(small, monkeypatch):
+    """Plain greedy jobs take one argmax computed over every logits row of the step (no per-job distribution);
+    jobs whose settings shape the logits (here a zero logit bias: the same distribution) go through `process`.
+    Both give the same tokens as the reference."""
+    import exl.generator.generator as G
+
+    calls = []
+    real = G.process
+    monkeypatch.setattr(G, "process", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ps = prompts([5, 21, 13, 8], seed=9)
+    out = {}
+    for label, s in (("plain", GREEDY), ("biased", SamplerSettings.greedy(logit_bias={0: 0.0}))):
+        calls.clear()
+        jobs = [Job(p, max_new_tokens=10, sampler=s) for p in ps]
+        run_all(Generator(small, PagedCache(small, num_pages=32, page_size=8), None, max_chunk_size=16), jobs)
+        out[label] = [j.generated for j in jobs]
+        assert len(calls) == (0 if label == "plain" else 40)
+    assert out["plain"] == out["biased"] == [reference_greedy(small, p, 10)[0] for p in ps]
+
+
 def test_prefix_pages_shared_and_reused_after_the_first_job_ends(small):
     ps = 8
     system = prompts([40], seed=1)[0]  # 5 full pages

@@ -217,6 +217,70 @@ def test_forward_every_small_batch(ext, isa, mix):
             check(ext, t, m, path, isa, seed=m)
 
 
+# The 512-bit int8 GEMV works on 4 blocks at a time ("quads", a segment's last one partial), with
+# per-group scales spread over the quad, several activation rows in tiles of 8 and of 4 quads,
+# and the weights unpacked in chunks of 64 quads: segments ending 1, 2 or 3 blocks into a quad,
+# groups of 1, 2, 3, 4 and 8 blocks, every bit width, and more than one chunk.
+QUAD_MIXES = {
+    "quad-tails": [
+        F.Segment(32, 3, 32),
+        F.Segment(64, 5, 64),
+        F.Segment(96, 6, 96),
+        F.Segment(224, 7, 32),
+        F.Segment(256, 4, 256),
+        F.Segment(160, 2, 32),
+        F.Segment(32, 8, 32),
+        F.Segment(96, 1, 32),
+        F.Segment(128, 4, 64),
+    ],
+    "chunks": [F.Segment(8192, 4, 128), F.Segment(96, 3, 32), F.Segment(2112, 5, 64)],
+}
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("mix", sorted(QUAD_MIXES))
+def test_int8_quad_tails_and_chunks(ext, isa, mix):
+    t = random_layer(11, QUAD_MIXES[mix], seed=len(mix))
+    for m in (1, 2, 3, 4, 5, 8, 9, 12, 16, 17):
+        check(ext, t, m, "int8", isa, seed=m)
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("k", [32, 96, 544, 1536, 2080])
+def test_int8_every_isa_shapes_and_batches(ext, isa, k):
+    # batch sizes 1..64 (17+ rows run in passes of 16), 4-bit codes with act-order and rotations
+    t = random_layer(37, [F.Segment(k, 4, 32)], seed=k)
+    for m in (1, 2, 3, 4, 7, 9, 16, 17, 33, 64):
+        check(ext, t, m, "int8", isa, seed=m)
+
+
+@pytest.mark.parametrize("isa", isas())
+def test_int8_rotations_and_perm_every_isa(ext, isa):
+    for i, (perm, su, sv) in enumerate([(False, False, False), (True, False, False), (True, True, True), (False, True, True)]):
+        t = random_layer(96, [F.Segment(64, 5, 32), F.Segment(128, 4, 128), F.Segment(64, 3, 64)], perm=perm, su=su,
+                         sv=sv, seed=i)
+        for m in (1, 3, 16):
+            check(ext, t, m, "int8", isa, seed=m)
+
+
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
+def test_auto_picks_the_widest_instruction_set(ext):
+    names = ext.isa_names()
+    flags = cpu_flags()
+    if sys.platform.startswith("linux") and {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags:
+        assert names[-1] == "avx512vnni"
+    t = random_layer(8, [F.Segment(64, 4, 32)], seed=0)
+    assert kernel(ext, t).isa == names[-1]
+    assert kernel(ext, t, names[0]).isa == names[0]
+
+
 @pytest.mark.parametrize("perm", [False, True])
 @pytest.mark.parametrize("su", [False, True])
 @pytest.mark.parametrize("sv", [False, True])

@@ -76,6 +76,69 @@ def test_packed_batch_matches_separate_sequences(models):
         off += n
 
 
+@pytest.mark.parametrize("name,bits,drafts", [("mistral-window", None, True), ("gemma3", None, True),
+                                               ("gemma3", None, False), ("llama", (4, 8), True)])
+def test_batched_decode_attention_matches_per_sequence(models, name, bits, drafts, monkeypatch):
+    """Many short segments (decode steps, drafts) attend together over gathered keys: the same outputs as one
+    sequence at a time, and (float cache) as the full forward; over scattered pages, windows and softcap, and with
+    4-bit per-channel keys (open and closed blocks) and 8-bit rotated values."""
+    import exl.cache.paged as paged
+
+    model = models[name]
+    kb, vb = bits or (None, None)
+    g = torch.Generator().manual_seed(6)
+    lengths = [3, 9, 17, 30, 33, 12]
+    new = [1, 1, 4, 1, 2, 1] if drafts else [1] * 6  # 4 and 2: a decode token plus drafts
+    seqs = [torch.randint(0, BASE["vocab_size"], (1, n + k), generator=g) for n, k in zip(lengths, new)]
+
+    def run(batched: bool):
+        monkeypatch.setattr(paged, "BATCHED_MAX_QUERIES", 16 if batched else 0)
+        cache = PagedCache(model, num_pages=64, page_size=4, k_bits=kb, v_bits=vb)
+        fragment(cache)
+        tables = [cache.open(s[0].tolist(), s.shape[1]) for s in seqs]
+        for t, s, n in zip(tables, seqs, lengths):
+            cache.extend(t, n)
+            model(s[:, :n], ctx=PagedContext(cache, [(t, n)]))
+            cache.commit(t, s[0, :n].tolist())
+        segs = [(t, k) for t, k in zip(tables, new)]
+        for t, k in segs:
+            cache.extend(t, k)
+        ctx = PagedContext(cache, segs)
+        out = model(torch.cat([s[:, n:] for s, n in zip(seqs, lengths)], 1), ctx=ctx)
+        assert (ctx._batch() is not None) == batched
+        if batched:
+            assert len(ctx._batch().members) == len(seqs)
+            assert max(len(t.runs(t.length + k)) for t, k in segs) > 1, "the test should cover scattered pages"
+        return out
+
+    got, alone = run(True), run(False)
+    check_close(got, alone, 1e-5)
+    if bits is None:
+        off = 0
+        for s, n, k in zip(seqs, lengths, new):
+            check_close(got[:, off : off + k], model(s)[:, n:], 1e-5)
+            off += k
+
+
+@pytest.mark.parametrize("k_bits,v_bits", [(None, 16), (4, 8), (6, 4)])
+def test_store_gather_equals_read(models, k_bits, v_bits):
+    """gather(layer, slots) gives each slot's vector exactly as read() does, open (staged) blocks included."""
+    model = models["llama"]
+    cache = PagedCache(model, num_pages=8, page_size=32, k_bits=k_bits, v_bits=v_bits)
+    ids = list(range(70))
+    t = cache.open(ids, 80)
+    cache.extend(t, 70)
+    model(torch.tensor([ids]), ctx=PagedContext(cache, [(t, 70)]))
+    cache.commit(t, ids[:70])  # two closed blocks of 32 keys, one open block of 6
+    slots = torch.tensor([t.slot(p) for p in (69, 0, 5, 33, 64, 31, 68)])
+    for store in (cache.k, cache.v):
+        for layer in range(model.config.num_layers):
+            want = torch.cat([store.read(layer, s, s + 1) for s in slots.tolist()], 1)
+            assert torch.equal(store.gather(layer, slots), want)
+            buf = torch.empty_like(want)
+            assert torch.equal(store.gather(layer, slots, buf), want)
+
+
 def test_pack_roundtrip_and_quantization_error():
     g = torch.Generator().manual_seed(0)
     for bits, bound in ((8, 0.006), (6, 0.025), (4, 0.10)):

@@ -1,6 +1,6 @@
 // CPU kernel interface: plain C++ (no torch), one function table per instruction set.
 //
-// The ISA-specific translation units (cpu_avx2.cpp, cpu_avxvnni.cpp) compile the same kernels
+// The ISA-specific translation units (cpu_avx2.cpp, cpu_avxvnni.cpp, cpu_avx512.cpp) compile the same kernels
 // under `#pragma GCC target`, so the built library runs on any x86-64 and picks the best table at
 // run time (cpu_ops.cpp). Nothing in those units may be an inline function shared with other
 // units (that would break the one-definition rule across instruction sets): kernels live in
@@ -60,6 +60,7 @@ struct Kernels {
 const Kernels* scalar_kernels();
 const Kernels* avx2_kernels();     // AVX2 + FMA + F16C
 const Kernels* avxvnni_kernels();  // the above + AVX-VNNI (vpdpbusd on 256-bit vectors)
+const Kernels* avx512vnni_kernels();  // AVX-512 F/BW/VL/DQ + AVX512-VNNI (512-bit int8 GEMV)
 
 // IEEE half (as bits) to float, without F16C.
 inline float half_bits_to_float(uint16_t h) {

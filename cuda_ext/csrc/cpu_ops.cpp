@@ -24,6 +24,10 @@ bool cpu_has(const char* feature) {
   if (std::string(feature) == "avx2")
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   if (std::string(feature) == "avxvnni") return cpu_has("avx2") && __builtin_cpu_supports("avxvnni");
+  if (std::string(feature) == "avx512vnni")
+    return cpu_has("avx2") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni");
 #endif
   return false;
 }
@@ -32,6 +36,7 @@ std::vector<std::pair<std::string, const Kernels*>> available() {
   std::vector<std::pair<std::string, const Kernels*>> out = {{"scalar", scalar_kernels()}};
   if (avx2_kernels() && cpu_has("avx2")) out.push_back({"avx2", avx2_kernels()});
   if (avxvnni_kernels() && cpu_has("avxvnni")) out.push_back({"avxvnni", avxvnni_kernels()});
+  if (avx512vnni_kernels() && cpu_has("avx512vnni")) out.push_back({"avx512vnni", avx512vnni_kernels()});
   return out;
 }
 

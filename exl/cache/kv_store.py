@@ -78,12 +78,20 @@ class FloatStore:
 
     def write(self, layer: int, slots: torch.Tensor, x: torch.Tensor) -> None:
         """x: [T, heads, dim] -> the given slot indices [T]."""
-        self.data[layer][:, slots] = x.transpose(0, 1).to(self.data.dtype)
+        self.data[layer].index_copy_(1, slots, x.transpose(0, 1).to(self.data.dtype))
 
     def read(self, layer: int, start: int, end: int) -> torch.Tensor:
         """[heads, end - start, dim] in the compute dtype (a view when no conversion is needed)."""
         x = self.data[layer, :, start:end]
         return x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
+
+    def gather(self, layer: int, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Slots in any order ([N] long): [heads, N, dim] in the compute dtype, a copy (into `out` if given:
+        a [heads, N, dim] buffer of the compute dtype, reused to spare an allocation per layer)."""
+        src = self.data[layer]
+        if src.dtype != self.compute_dtype:
+            return src.index_select(1, slots).to(self.compute_dtype)
+        return src.index_select(1, slots) if out is None else torch.index_select(src, 1, slots, out=out)
 
     def copy_slots(self, src: int, dst: int, n: int) -> None:
         self.data[:, :, dst : dst + n] = self.data[:, :, src : src + n]
@@ -115,14 +123,20 @@ class QuantStore:
         x = (x.float() @ self.rotation).transpose(0, 1).unflatten(-1, (-1, self.group))  # [H, T, G, group]
         scale = (x.abs().amax(-1, keepdim=True) / self.offset).clamp_min(1e-8).half()
         codes = torch.round(x / scale.float() + self.offset).clamp_(0, 2**self.bits - 1).to(torch.uint8)
-        self.codes[layer][:, slots] = pack(codes.flatten(-2), self.bits)
-        self.scales[layer][:, slots] = scale.squeeze(-1)
+        self.codes[layer].index_copy_(1, slots, pack(codes.flatten(-2), self.bits))
+        self.scales[layer].index_copy_(1, slots, scale.squeeze(-1))
 
     def read(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Dequantized rotated vectors [heads, end - start, dim] in the compute dtype."""
-        codes = unpack(self.codes[layer, :, start:end], self.bits)
-        x = codes.to(self.compute_dtype).unflatten(-1, (-1, self.group)) - self.offset
-        return (x * self.scales[layer, :, start:end, :, None].to(self.compute_dtype)).flatten(-2)
+        return self._dequant(self.codes[layer, :, start:end], self.scales[layer, :, start:end])
+
+    def gather(self, layer: int, slots: torch.Tensor, out=None) -> torch.Tensor:
+        """Dequantized rotated vectors of slots in any order ([N] long): [heads, N, dim] (`out` is ignored)."""
+        return self._dequant(self.codes[layer].index_select(1, slots), self.scales[layer].index_select(1, slots))
+
+    def _dequant(self, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        x = unpack(packed, self.bits).to(self.compute_dtype).unflatten(-1, (-1, self.group)) - self.offset
+        return (x * scales[..., None].to(self.compute_dtype)).flatten(-2)
 
     def copy_slots(self, src: int, dst: int, n: int) -> None:
         self.codes[:, :, dst : dst + n] = self.codes[:, :, src : src + n]
@@ -252,6 +266,22 @@ class ChannelQuantStore:
             view = out.view(self.heads, b1 - b0, self.block, self.dim)
             view[:, is_open] = self.stage[layer][:, rows[is_open]].to(out.dtype)
         return out[:, start - b0 * self.block : end - b0 * self.block]
+
+    def gather(self, layer: int, slots: torch.Tensor, out=None) -> torch.Tensor:
+        """Keys of slots in any order ([N] long): [heads, N, dim], each as `read` gives it (open blocks from their
+        staging rows; `out` is ignored)."""
+        blocks = slots // self.block
+        codes = unpack(self.codes[layer].index_select(1, slots), self.bits).to(self.compute_dtype)
+        scale = self.scale[layer].index_select(1, blocks).to(self.compute_dtype)
+        zero = self.zero[layer].index_select(1, blocks).to(self.compute_dtype)
+        out = codes * scale + zero
+        rows = self.stage_of[blocks]
+        is_open = rows >= 0
+        if bool(is_open.any()):
+            pick = torch.nonzero(is_open).flatten()
+            staged = self.stage[layer][:, rows[pick], slots[pick] % self.block]  # [heads, open slots, dim]
+            out.index_copy_(1, pick, staged.to(out.dtype))
+        return out
 
     def copy_slots(self, src: int, dst: int, n: int) -> None:
         """Copy slots [src, src + n) to [dst, dst + n) (block aligned; the destination's blocks are open):

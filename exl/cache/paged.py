@@ -131,6 +131,7 @@ class PagedCache:
         self._children: dict[bytes, dict[int, None]] = {}  # hash of a prefix -> known pages that follow it
         self._pending: dict[bytes, PageTable] = {}  # hashes of prompt pages being written by an open sequence
         self.reserved = 0  # sum of open sequences' reservations
+        self._work: list[torch.Tensor] = []  # scratch buffers for batched attention (grown, never shrunk)
 
     # -- accounting -----------------------------------------------------------------------------------------------
 
@@ -166,6 +167,17 @@ class PagedCache:
                 f"{what} needs {tokens} tokens ({self.pages_for(tokens)} pages of {self.page_size}) but the cache "
                 f"holds {self.max_tokens} ({self.num_pages} pages); shorten the prompt or max_new_tokens, "
                 f"or build a larger PagedCache")
+
+    def workspace(self, count: int, shape: tuple, dtype: torch.dtype) -> list[torch.Tensor]:
+        """`count` scratch tensors of `shape` (their contents are garbage), reused from one forward pass and layer
+        to the next so that gathering keys does not allocate (and page-fault) fresh memory every time."""
+        n = math.prod(shape)
+        while len(self._work) < count:
+            self._work.append(torch.empty(0, dtype=dtype, device=self.device))
+        for i in range(count):
+            if self._work[i].numel() < n or self._work[i].dtype != dtype:
+                self._work[i] = torch.empty(max(n, self._work[i].numel()), dtype=dtype, device=self.device)
+        return [w[:n].view(shape) for w in self._work[:count]]
 
     # -- sequences ------------------------------------------------------------------------------------------------
 
@@ -412,29 +424,39 @@ class PagedCache:
         return best_start + best_len // 2
 
 
+# Segments of at most BATCHED_MAX_QUERIES new tokens (decode steps, drafts, short prompt tails) whose sequences
+# hold at most BATCHED_MAX_KEYS tokens attend together, in one batched op over keys gathered into a padded
+# [sequences, keys] table, when there are at least two of them. Past that length, copying keys costs more than the
+# per-sequence ops it saves, and such sequences attend in place one by one.
+BATCHED_MAX_QUERIES = 16
+BATCHED_MAX_KEYS = 1024
+
+
 class PagedContext(AttentionContext):
     """One forward pass over a packed batch: `input_ids` is [1, total], the new tokens of every sequence in
     order. segments: (table, n) pairs; sequence i contributes n tokens at positions table.length .. + n
     (pages for them must already exist: PagedCache.extend). Keys and values are written to their slots, then
-    each sequence attends over its own pages in place (runs of consecutive slots are views, not copies)."""
+    sequences attend over their own pages: short segments of many sequences (decode steps, drafts) together in
+    one batched op over their gathered keys (see BATCHED_MAX_KEYS); other segments (prompt chunks) one by one,
+    in place (runs of consecutive slots are views, not copies)."""
 
     def __init__(self, cache: PagedCache, segments: list[tuple[PageTable, int]]):
         self.cache = cache
+        ps = cache.page_size
         pos, slots, self.segments = [], [], []
         offset = 0
         for table, n in segments:
             start = table.length
-            if len(table.pages) * cache.page_size < start + n:
+            if len(table.pages) * ps < start + n:
                 raise RuntimeError("PagedContext: call PagedCache.extend before the forward pass")
-            p = torch.arange(start, start + n)
-            pages = torch.tensor(table.pages, dtype=torch.long)
+            p = np.arange(start, start + n)
             pos.append(p)
-            slots.append(pages[p // cache.page_size] * cache.page_size + p % cache.page_size)
+            slots.append(np.asarray(table.pages, dtype=np.int64)[p // ps] * ps + p % ps)
             self.segments.append((offset, n, start, table.runs(start + n)))
             offset += n
         device = cache.device
-        super().__init__(torch.cat(pos).to(device)[None])
-        self.slots = torch.cat(slots).to(device)
+        super().__init__(torch.from_numpy(np.concatenate(pos)).to(device)[None])
+        self.slots = torch.from_numpy(np.concatenate(slots)).to(device)
         self._masks: dict = {}
 
     def _mask(self, i: int, window: int | None, runs):
@@ -455,6 +477,12 @@ class PagedContext(AttentionContext):
             self._masks[key] = None if bool(mask.all()) else mask.to(self.cache.device)
         return self._masks[key]
 
+    def _batch(self) -> "_Batched | None":
+        """This forward pass's batched group (built on first use, from `segments` alone); None if too few qualify."""
+        if "_batched" not in self.__dict__:
+            self._batched = _Batched.build(self.segments, self.cache.device)
+        return self._batched
+
     def attend(self, layer, q, k, v, *, scale, window=None, softcap=None):
         c = self.cache
         c.k.write(layer, self.slots, k[0])
@@ -462,7 +490,12 @@ class PagedContext(AttentionContext):
         if c.k.rotated:
             q = q @ c.rotation_c
         out = torch.empty_like(q)
+        batched = self._batch()
+        if batched is not None:
+            batched.attend(c, layer, q[0], out[0], scale, window, softcap)
         for i, (offset, n, start, runs) in enumerate(self.segments):
+            if batched is not None and i in batched.members:
+                continue
             if window is not None:  # drop runs that no query of this segment can see
                 lo = start - window + 1
                 runs = [(p, s, cnt) for p, s, cnt in runs if p + cnt > lo]
@@ -475,6 +508,85 @@ class PagedContext(AttentionContext):
         if c.v.rotated:
             out = out @ c.rotation_c.T
         return out
+
+
+class _Batched:
+    """Short segments of one forward pass attending together: G sequences, each with up to `nq` queries (padded
+    by repeating its last one) over its first L keys (padded with slot 0, masked out)."""
+
+    def __init__(self, members: set[int], rows, valid, kslots, q_pos, device):
+        self.members = members  # indices of the segments in the group
+        self.g, self.nq = rows.shape
+        self.L = kslots.shape[1]
+        self.rows = torch.from_numpy(rows.reshape(-1)).to(device)  # packed-batch row of each (sequence, query)
+        self.valid = None if valid.all() else torch.from_numpy(np.flatnonzero(valid.reshape(-1))).to(device)
+        self.out_rows = self.rows if self.valid is None else self.rows[self.valid]
+        self.kslots = torch.from_numpy(kslots.reshape(-1)).to(device)
+        flat = rows.reshape(-1)  # rows r0, r0 + 1, ... (decode steps come first in a batch): slices, not gathers
+        self.span = (int(flat[0]), int(flat[0]) + len(flat)) if self.nq == 1 and (np.diff(flat) == 1).all() else None
+        self.q_pos, self.device = q_pos, device
+        self._bias: dict = {}
+        self._bufs = None
+
+    @staticmethod
+    def build(segments, device) -> "_Batched | None":
+        members = [i for i, (_, n, start, _) in enumerate(segments)
+                   if n <= BATCHED_MAX_QUERIES and start + n <= BATCHED_MAX_KEYS]
+        if len(members) < 2:
+            return None
+        g, nq = len(members), max(segments[i][1] for i in members)
+        L = max(segments[i][1] + segments[i][2] for i in members)
+        rows, q_pos = np.empty((g, nq), dtype=np.int64), np.empty((g, nq), dtype=np.int64)
+        valid = np.zeros((g, nq), dtype=bool)
+        kslots = np.zeros((g, L), dtype=np.int64)
+        last = np.arange(nq)
+        for j, i in enumerate(members):
+            offset, n, start, runs = segments[i]
+            rows[j] = offset + np.minimum(last, n - 1)
+            q_pos[j] = start + np.minimum(last, n - 1)
+            valid[j, :n] = True
+            for p, s, cnt in runs:
+                kslots[j, p : p + cnt] = np.arange(s, s + cnt)
+        return _Batched(set(members), rows, valid, kslots, q_pos, device)
+
+    def bias(self, window: int | None) -> torch.Tensor | None:
+        """Additive mask [G, 1, nq, L] (0 or -inf) for a window; None when every query sees all L keys."""
+        if window not in self._bias:
+            diff = self.q_pos[:, :, None] - np.arange(self.L)[None, None, :]
+            ok = diff >= 0
+            if window is not None:
+                ok &= diff < window
+            self._bias[window] = None if ok.all() else \
+                torch.from_numpy(np.where(ok, 0.0, -np.inf).astype(np.float32)[:, None]).to(self.device)
+        return self._bias[window]
+
+    def attend(self, c: PagedCache, layer: int, q: torch.Tensor, out: torch.Tensor, scale, window, softcap) -> None:
+        """q, out: [total, Hq, D] of the packed batch; fills the group's rows of out."""
+        g, nq, L = self.g, self.nq, self.L
+        hq, d = q.shape[1], q.shape[2]
+        hkv = c.config.num_kv_heads
+        grp = hq // hkv
+        if self._bufs is None or self._bufs[0].dtype != q.dtype:
+            self._bufs = c.workspace(2, (hkv, g * L, d), q.dtype)
+        keys = c.k.gather(layer, self.kslots, self._bufs[0]).view(hkv, g, L, d)
+        values = c.v.gather(layer, self.kslots, self._bufs[1]).view(hkv, g, L, d)
+        # queries of one kv head side by side: [Hkv, G, grp * nq, D] (no K/V expansion)
+        qs = q[self.span[0] : self.span[1]] if self.span else q.index_select(0, self.rows)
+        qg = qs.view(g, nq, hkv, grp, d).permute(2, 0, 3, 1, 4).reshape(hkv, g, grp * nq, d)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(scale)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        bias = self.bias(window)
+        if bias is not None:
+            scores.view(hkv, g, grp, nq, L).add_(bias.to(scores.dtype))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        o = torch.matmul(probs, values).view(hkv, g, grp, nq, d).permute(1, 3, 0, 2, 4).reshape(g * nq, hq, d)
+        if self.span:
+            out[self.span[0] : self.span[1]] = o
+            return
+        if self.valid is not None:
+            o = o.index_select(0, self.valid)
+        out.index_copy_(0, self.out_rows, o)
 
 
 def _attend_runs(q, keys, values, mask, scale, softcap):

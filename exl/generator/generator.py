@@ -47,6 +47,10 @@ class _Run:
         self.draft_rng = torch.Generator().manual_seed(self.seed ^ 0x5DEECE66D)
         self.sampler = SamplerState(job.sampler, gen.vocab, gen.tokenizer)
         self.greedy = job.sampler.is_greedy
+        sp = job.sampler  # greedy with nothing that changes logits first: the token is the row's argmax
+        self.plain_greedy = self.greedy and not (sp.logit_bias or sp.banned_tokens or sp.dry_multiplier > 0
+                                                 or sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0
+                                                 or sp.presence_penalty != 0.0)
         self.stop_tokens = set(job.stop_tokens)
         if not job.ignore_eos and gen.tokenizer is not None:
             self.stop_tokens |= set(gen.tokenizer.eos_token_ids)
@@ -291,17 +295,18 @@ class Generator:
             segments.append((j, run.ids[start : start + n].tolist(), "prefill"))
         if not segments:
             return
-        logits = self._forward(segments)
-        for (j, toks, kind), lg in zip(segments, logits):
+        logits, best = self._forward(segments)
+        for (j, toks, kind), lg, top in zip(segments, logits, best):
             try:
-                self._consume(j, toks, kind, lg, drafts)
+                self._consume(j, toks, kind, lg, drafts, top)
             except Exception as e:  # noqa: BLE001 - a per-job failure (e.g. a constraint) ends only that job
                 self._fail(j, e)
             if j.status == "done":
                 self._finished_now.append(j)
 
-    def _consume(self, j: Job, toks: list[int], kind: str, lg, drafts: dict) -> None:
-        """Take one segment's forward-pass results: commit its K/V, sample (and verify drafts)."""
+    def _consume(self, j: Job, toks: list[int], kind: str, lg, drafts: dict, top=None) -> None:
+        """Take one segment's forward-pass results: commit its K/V, sample (and verify drafts). top: each logits
+        row's argmax where its largest logit is finite (else None), for plain greedy jobs."""
         run = j._run
         if kind == "prefill":
             self.cache.commit(run.table, toks, share=True)
@@ -309,7 +314,7 @@ class Generator:
             if run.table.length == run.prompt_len:
                 j.status = "decode"
                 run.t_first = time.perf_counter()
-                self._advance(j, lg[-1])
+                self._advance(j, lg[-1], top[-1] if top else None)
         else:
             self.stats["decode_steps"] += 1  # one per job per step (plus its drafts, if any)
             d, q = drafts.get(j, ([], None))
@@ -317,10 +322,11 @@ class Generator:
                 self._verify(j, toks, lg, q)
             else:
                 self.cache.commit(run.table, toks, share=False)
-                self._advance(j, lg[-1])
+                self._advance(j, lg[-1], top[-1] if top else None)
 
-    def _forward(self, segments) -> list[torch.Tensor | None]:
-        """One packed forward pass; returns per segment the logits rows it needs ([n, V]) or None."""
+    def _forward(self, segments) -> tuple[list, list]:
+        """One packed forward pass; returns per segment the logits rows it needs ([n, V]) or None, and the argmax of
+        each of those rows over the vocabulary (None where the row's maximum is not finite: NaN or inf)."""
         cache = self.cache
         for j, toks, _ in segments:
             cache.extend(j._run.table, len(toks))
@@ -342,13 +348,19 @@ class Generator:
                 spans.append((len(rows), n))
                 rows.extend(range(offset, offset + n))
             offset += n
-        out = [None] * len(segments)
+        out, best = [None] * len(segments), [None] * len(segments)
         if rows:
             lg = self.model.logits(h[0, torch.tensor(rows, device=h.device)][None])[0].cpu()  # sampled on the CPU
+            top = None
+            if any(j._run.plain_greedy for j, _, _ in segments):
+                # One argmax over every row, for the plain greedy jobs (ties go to the first index, as in `process`).
+                vals, idx = lg[:, : self.vocab].max(-1)
+                top = [t if ok else None for t, ok in zip(idx.tolist(), torch.isfinite(vals).tolist())]
             for i, sp in enumerate(spans):
                 if sp is not None:
                     out[i] = lg[sp[0] : sp[0] + sp[1]]
-        return out
+                    best[i] = top and top[sp[0] : sp[0] + sp[1]]
+        return out, best
 
     # -- speculative decoding -------------------------------------------------------------------------------------
 
@@ -445,10 +457,15 @@ class Generator:
             mask = run.stop_mask if mask is None else mask & run.stop_mask
         return process(logits, run.sampler, run.ids, run.rng, mask=mask, extra_banned=run.bans.get(run.n))
 
-    def _advance(self, job: Job, logits: torch.Tensor) -> None:
-        """Sample the next token from one logits row and take it."""
+    def _advance(self, job: Job, logits: torch.Tensor, top: int | None = None) -> None:
+        """Sample the next token from one logits row and take it. top: the row's argmax, computed for the whole
+        batch at once, which is the token when nothing else shapes this job's choice here (plain greedy)."""
         run = job._run
-        token = sample(self._distribution(job, logits), run.greedy, run.rng)
+        if top is not None and run.plain_greedy and run.constraint is None and not run.bans.get(run.n) \
+                and (run.stop_mask is None or len(job.generated) >= job.min_new_tokens):
+            token = top
+        else:
+            token = sample(self._distribution(job, logits), run.greedy, run.rng)
         self._take(job, token, logits)
 
     def _take(self, job: Job, token: int, logits: torch.Tensor) -> None:
