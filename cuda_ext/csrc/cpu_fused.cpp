@@ -386,9 +386,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor out = at::empty({b, 1, hq, d}, q.options());
   float* po = out.data_ptr<float>();
   const float sc = float(scale), cap = float(softcap);
-  // Work items: (sequence, kv head). Split over threads only when there is enough of it.
+  // Work items: (sequence, kv head). Split over threads only from ~0.5 M multiply-adds per chunk (long
+  // contexts, big batches): below that a thread hand-off costs more than it saves, and much more
+  // when the cores are oversubscribed.
   const int64_t work = g * n * d * 2;
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(work, 1));
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(work, 1));
   at::parallel_for(0, b * hk, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(g * n);
     for (int64_t i = i0; i < i1; ++i) {
