@@ -237,3 +237,61 @@ def test_model_fused_matches_reference(tmp_path, monkeypatch, name):
     with fused.disabled():
         want = run()
     close(got, want, 2e-5)
+
+
+# The one-call decode step (DecoderStackCPU, exl/models/llama.py): quantized llama-family models only.
+def quantize_blocks_randomly(model):
+    """Swap every block linear for a random exl-format QuantLinear (4-bit, act-order, both rotations)."""
+    from test_kernels import random_layer
+
+    from exl.format import Segment
+    from exl.modules.quant_linear import QuantLinear
+
+    seed = 0
+    for block in model.layers:
+        for parent, names in ((block.attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (block.mlp, ("gate", "up", "down"))):
+            for name in names:
+                n, k = getattr(parent, name).weight.shape
+                setattr(parent, name, QuantLinear(random_layer(n, [Segment(k, 4, 32)], bias=False, seed=seed)))
+                seed += 1
+    model._stack = None
+    return model
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-window"])
+def test_decoder_stack_matches_block_by_block(tmp_path, name):
+    from test_models import BASE, make_model
+
+    _, path = make_model(tmp_path, name)
+    model = quantize_blocks_randomly(exl.load_model(path, progress=False))
+    ids = torch.randint(0, BASE["vocab_size"], (1, 16), generator=g(7))
+
+    def run():
+        cache = KVCache(model.config, batch=1, max_len=20)
+        parts = [model(ids[:, :9], cache=cache)]
+        parts += [model(ids[:, t : t + 1], cache=cache) for t in range(9, 16)]  # decode steps past the window
+        return torch.cat(parts, dim=1)
+
+    got = run()
+    assert model._stack and len(model._stack) == len(model.layers)  # the one-call step ran
+    model._stack = False  # block by block, each block on its fused path
+    want = run()
+    close(got, want, 1e-6)  # the same kernels and ops in the same order
+
+
+def test_decoder_stack_steps_aside_for_hooks_and_batches(tmp_path):
+    from test_models import BASE, make_model
+
+    _, path = make_model(tmp_path, "llama")
+    model = quantize_blocks_randomly(exl.load_model(path, progress=False))
+    seen = []
+    handle = model.layers[1].mlp.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    cache = KVCache(model.config, batch=1, max_len=8)
+    model(torch.tensor([[1, 2]]), cache=cache)
+    model(torch.tensor([[3]]), cache=cache)
+    assert len(seen) == 2  # the hook saw the decode step: it ran block by block
+    handle.remove()
+    model(torch.tensor([[4]]), cache=cache)
+    assert len(seen) == 2 and model._stack
+    batch = KVCache(model.config, batch=2, max_len=8)
+    model(torch.tensor([[1], [2]]), cache=batch)  # two sequences: block by block (no error)

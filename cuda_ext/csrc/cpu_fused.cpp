@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "cpu_fused.h"
+
 namespace exl {
 namespace fused {
 namespace {
@@ -429,6 +431,12 @@ at::Tensor act_mul(at::Tensor& gate, const at::Tensor& up, const std::string& ac
 }
 
 }  // namespace
+
+const Ops& ops() {
+  static const Ops table{&rms_norm, &add_rms_norm, &rope_, &decode_attention, &act_mul};
+  return table;
+}
+
 }  // namespace fused
 }  // namespace exl
 

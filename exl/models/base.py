@@ -165,12 +165,20 @@ class CausalLM(nn.Module):
             b, t = input_ids.shape
             ctx = cache.context(t) if cache is not None else NoCache(b, t, input_ids.device)
         h = self.embed(input_ids)
-        for layer in self.layers:
-            h = layer(h, ctx)
+        out = self.decode_blocks(h, ctx)
+        if out is None:
+            for layer in self.layers:
+                h = layer(h, ctx)
+        else:
+            h = out
         ctx.finish()
         if return_hidden:
             return h
         return self.logits(h[:, -1:] if last_only else h)
+
+    def decode_blocks(self, h: torch.Tensor, ctx) -> torch.Tensor | None:
+        """A family's one-call decode step over every block (see Llama), or None: run them one by one."""
+        return None
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.norm(h)).float()
