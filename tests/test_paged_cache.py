@@ -77,7 +77,7 @@ def test_packed_batch_matches_separate_sequences(models):
 
 
 @pytest.mark.parametrize("name,bits,drafts", [("mistral-window", None, True), ("gemma3", None, True),
-                                               ("gemma3", None, False), ("llama", (4, 8), True)])
+                                               ("gemma3", None, False), ("llama", None, False), ("llama", (4, 8), True)])
 def test_batched_decode_attention_matches_per_sequence(models, name, bits, drafts, monkeypatch):
     """Many short segments (decode steps, drafts) attend together over gathered keys: the same outputs as one
     sequence at a time, and (float cache) as the full forward; over scattered pages, windows and softcap, and with

@@ -410,6 +410,78 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// Decode attention straight from a paged cache: query row rows[i] of q [T, Hq, D] attends over the
+// keys at slots kslots[i, 0:lengths[i]] (the last one its own, already written) of a float32
+// [kv_heads, slots, D] store, keeping the last `window` when window > 0; out [T, Hq, D] gets row
+// rows[i]. Each (sequence, kv head) gathers its keys and values into a thread-local buffer and runs
+// decode_attention's kernel on it: no padded table of every sequence's keys is ever built.
+void paged_decode_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& rows, const at::Tensor& k_store,
+                            const at::Tensor& v_store, const at::Tensor& kslots, const at::Tensor& lengths,
+                            double scale, int64_t window, double softcap, const std::string& isa) {
+  const char* op = "paged_decode_attention";
+  check_f32_cpu(q, op, "q");
+  check_f32_cpu(out, op, "out");
+  check_f32_cpu(k_store, op, "k_store");
+  check_f32_cpu(v_store, op, "v_store");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.sizes() == q.sizes() && out.is_contiguous(),
+              "exl paged_decode_attention: q and out must be contiguous [tokens, heads, head_dim], got ", q.sizes(),
+              " and ", out.sizes());
+  TORCH_CHECK(k_store.dim() == 3 && k_store.is_contiguous() && v_store.is_contiguous() &&
+                  v_store.sizes() == k_store.sizes(),
+              "exl paged_decode_attention: k_store and v_store must be alike contiguous [kv_heads, slots, head_dim], "
+              "got ", k_store.sizes(), " and ", v_store.sizes());
+  const int64_t hq = q.size(1), d = q.size(2), hk = k_store.size(0), n_slots = k_store.size(1);
+  TORCH_CHECK(k_store.size(2) == d && hk > 0 && hq % hk == 0, "exl paged_decode_attention: store ", k_store.sizes(),
+              " does not fit q ", q.sizes());
+  for (const auto* t : {&rows, &kslots, &lengths})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
+                "exl paged_decode_attention: rows, kslots and lengths must be contiguous int64 CPU tensors");
+  const int64_t G = rows.numel();
+  TORCH_CHECK(kslots.dim() == 2 && kslots.size(0) == G && lengths.numel() == G,
+              "exl paged_decode_attention: kslots must be [sequences, max_keys] and lengths [sequences], got ",
+              kslots.sizes(), " and ", lengths.sizes(), " for ", G, " rows");
+  const int64_t L = kslots.size(1), g = hq / hk, T = q.size(0);
+  const int64_t* pr = rows.data_ptr<int64_t>();
+  const int64_t* ps = kslots.data_ptr<int64_t>();
+  const int64_t* pl = lengths.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t i = 0; i < G; ++i) {
+    TORCH_CHECK(pr[i] >= 0 && pr[i] < T, "exl paged_decode_attention: row ", pr[i], " out of range [0, ", T, ")");
+    TORCH_CHECK(pl[i] >= 1 && pl[i] <= L, "exl paged_decode_attention: length ", pl[i], " out of range [1, ", L, "]");
+    for (int64_t j = 0; j < pl[i]; ++j)
+      TORCH_CHECK(ps[i * L + j] >= 0 && ps[i * L + j] < n_slots, "exl paged_decode_attention: slot ", ps[i * L + j],
+                  " out of range [0, ", n_slots, ")");
+    total += pl[i];
+  }
+  const AttendFn fn = kernels(isa, op)->attend;
+  const float* pq = q.data_ptr<float>();
+  const float* kd = k_store.data_ptr<float>();
+  const float* vd = v_store.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const float sc = float(scale), cap = float(softcap);
+  const int64_t work = g * std::max<int64_t>(total / std::max<int64_t>(G, 1), 1) * d * 4;  // gather + attend
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(work, 1));
+  at::parallel_for(0, G * hk, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> kb, vb, s;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t gi = i / hk, h = i % hk;
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, pl[gi] - window) : 0, n = pl[gi] - lo;
+      kb.resize(n * d);
+      vb.resize(n * d);
+      s.resize(g * n);
+      const float* kh = kd + h * n_slots * d;
+      const float* vh = vd + h * n_slots * d;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t slot = ps[gi * L + lo + j];
+        std::copy(kh + slot * d, kh + slot * d + d, kb.data() + j * d);
+        std::copy(vh + slot * d, vh + slot * d + d, vb.data() + j * d);
+      }
+      const int64_t off = (pr[gi] * hq + h * g) * d;
+      fn(pq + off, g, kb.data(), vb.data(), n, d, d, sc, cap, s.data(), po + off, d, d);
+    }
+  });
+}
+
 at::Tensor act_mul(at::Tensor& gate, const at::Tensor& up, const std::string& act, const std::string& isa) {
   check_f32_cpu(gate, "act_mul", "gate");
   check_f32_cpu(up, "act_mul", "up");
@@ -458,6 +530,11 @@ void register_fused(py::module_& m) {
         py::arg("v_cache"), py::arg("layer"), py::arg("pos"), py::arg("scale"), py::arg("window") = 0,
         py::arg("softcap") = 0.0, py::arg("isa") = "auto",
         "Store k, v at pos of cache[layer], then single-query GQA attention over positions [pos-window+1, pos]");
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("out"), py::arg("rows"),
+        py::arg("k_store"), py::arg("v_store"), py::arg("kslots"), py::arg("lengths"), py::arg("scale"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("isa") = "auto",
+        py::call_guard<py::gil_scoped_release>(),
+        "Single-query GQA attention of q rows over their keys in a paged [kv_heads, slots, head_dim] store");
   m.def("act_mul", &act_mul, py::arg("gate"), py::arg("up"), py::arg("act"), py::arg("isa") = "auto",
         "act(gate) * up for act in silu, gelu, gelu_tanh, relu; written over gate when gate is contiguous");
 }

@@ -35,8 +35,9 @@ import numpy as np
 import torch
 
 from exl.cache.base import AttentionContext
-from exl.cache.kv_store import make_store, rotation_matrix
+from exl.cache.kv_store import FloatStore, make_store, rotation_matrix
 from exl.errors import ExlError
+from exl.modules import fused
 from exl.modules.attention import scaled_attention
 
 
@@ -525,6 +526,8 @@ class _Batched:
         flat = rows.reshape(-1)  # rows r0, r0 + 1, ... (decode steps come first in a batch): slices, not gathers
         self.span = (int(flat[0]), int(flat[0]) + len(flat)) if self.nq == 1 and (np.diff(flat) == 1).all() else None
         self.q_pos, self.device = q_pos, device
+        self.kslots2d = torch.from_numpy(kslots)  # for the fused op (decode rows only): keys of each sequence
+        self.lengths = torch.from_numpy(np.ascontiguousarray(q_pos[:, -1] + 1))
         self._bias: dict = {}
         self._bufs = None
 
@@ -564,6 +567,12 @@ class _Batched:
         """q, out: [total, Hq, D] of the packed batch; fills the group's rows of out."""
         g, nq, L = self.g, self.nq, self.L
         hq, d = q.shape[1], q.shape[2]
+        ext = fused.ops(q) if nq == 1 and self.device.type == "cpu" else None
+        if ext is not None and type(c.k) is FloatStore and c.k.data.dtype is torch.float32 and q.is_contiguous():
+            # one query per sequence over a float32 store: read the keys where they lie (cpu_fused.cpp)
+            ext.paged_decode_attention(q, out, self.rows, c.k.data[layer], c.v.data[layer], self.kslots2d,
+                                       self.lengths, scale, window or 0, softcap or 0.0)
+            return
         hkv = c.config.num_kv_heads
         grp = hq // hkv
         if self._bufs is None or self._bufs[0].dtype != q.dtype:
