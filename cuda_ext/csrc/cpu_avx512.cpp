@@ -16,6 +16,7 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
 #include <immintrin.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <algorithm>
@@ -171,7 +172,7 @@ struct Prep {
 
 thread_local std::vector<uint8_t> tl_buf;
 
-Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M) {
+Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M, bool multi) {
   Prep P;
   P.M = M;
   P.quads = 0;
@@ -180,16 +181,17 @@ Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M) {
     P.quads += (L.segs.seg[s].k_len / kBlock + kQuad - 1) / kQuad;
   }
   P.quad_start[L.segs.count] = int(P.quads);
-  const int64_t padded = M == 1 ? P.quads : (P.quads + kQuad - 1) / kQuad * kQuad;
-  const size_t xb = size_t(M) * padded * kQuadBytes, db = M == 1 ? 0 : size_t(M) * padded * 16 * 4;
-  const size_t gb = (size_t(L.n_groups) * (M == 1 ? 1 : 16) * 4 + 63) & ~size_t(63);
+  const bool single = !multi && M == 1;  // the one-row layout (gemv_rows<NR, 1>)
+  const int64_t padded = single ? P.quads : (P.quads + kQuad - 1) / kQuad * kQuad;
+  const size_t xb = size_t(M) * padded * kQuadBytes, db = single ? 0 : size_t(M) * padded * 16 * 4;
+  const size_t gb = (size_t(L.n_groups) * (single ? 1 : 16) * 4 + 63) & ~size_t(63);
   int runs = 0;
   for (int s = 0; s < L.segs.count; ++s) {
     P.run_start[s] = runs;
     runs += (L.segs.seg[s].k_len / kBlock + 15) / 16;
   }
   P.run_start[L.segs.count] = runs;
-  const size_t rb = M <= kRegRows ? size_t(runs) * 17 * 4 : 0;
+  const size_t rb = !multi && M <= kRegRows ? size_t(runs) * 17 * 4 : 0;
   if (tl_buf.size() < xb + db + gb + rb + 64) tl_buf.resize(xb + db + gb + rb + 64);
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(tl_buf.data()) + 63) & ~uintptr_t(63));
   P.x = reinterpret_cast<int8_t*>(base);
@@ -198,7 +200,7 @@ Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M) {
   P.run_idx = reinterpret_cast<int32_t*>(base + xb + db + gb);
   P.run_g = P.run_idx + size_t(runs) * 16;
   P.d = a.d + m0 * (L.K / kBlock);
-  if (M <= kRegRows) {
+  if (!multi && M <= kRegRows) {
     for (int s = 0; s < L.segs.count; ++s) {
       const Segment& sg = L.segs.seg[s];
       const int blocks = sg.k_len / kBlock, per = sg.group_size / kBlock;
@@ -209,7 +211,7 @@ Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M) {
       }
     }
   }
-  if (M > 1) memset(P.x, 0, xb + db);  // padding quads and blocks
+  if (!single) memset(P.x, 0, xb + db);  // padding quads and blocks
   const int64_t nb = L.K / kBlock;
   const __m512i ilo = _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), ihi = _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15);
   for (int m = 0; m < M; ++m) {
@@ -230,7 +232,7 @@ Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M) {
         _mm512_store_si512(xa + qi * M * kQuadBytes, _mm512_permutex2var_epi64(A, ilo, B));
         _mm512_store_si512(xa + qi * M * kQuadBytes + 64, _mm512_permutex2var_epi64(A, ihi, B));
         const __m512 dv = spread4(_mm_maskz_loadu_ps(__mmask8((1 << n) - 1), d + b));
-        if (M > 1)
+        if (!single)
           _mm512_mask_store_ps(dq + (qi / kQuad) * M * 16, __mmask16(0x1111 << (qi % kQuad)), dv);
       }
     }
@@ -239,7 +241,7 @@ Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M) {
     const Segment& sg = L.segs.seg[s];
     const float c = code_offset(sg.bits);
     for (int g = sg.group_start; g < sg.group_start + sg.k_len / sg.group_size; ++g) {
-      if (M == 1) {
+      if (single) {
         P.gsc[g] = c * a.gsum[m0 * L.n_groups + g];
       } else {
         for (int m = 0; m < 16; ++m) P.gsc[g * 16 + m] = m < M ? c * a.gsum[(m0 + m) * L.n_groups + g] : 0.0f;
@@ -565,11 +567,30 @@ void gemv_multi(const Layer& L, const Prep& P, float* y, int64_t ldy, int64_t n0
   }
 }
 
+// Batch invariance (EXL_CPU_BATCH_INVARIANT=1): every batch size takes gemv_multi, whose arithmetic
+// for one activation row does not depend on the other rows, so a row's result is bit for bit the
+// same alone or among 16 (speculative decoding, which verifies drafts in one batch, then reproduces
+// plain greedy decoding exactly). Off by default: 1-4 rows take the register paths, which decode
+// about 1.5x faster and differ from gemv_multi by ~1e-6 relative.
+bool batch_invariant() {
+  static const bool on = [] {
+    const char* e = getenv("EXL_CPU_BATCH_INVARIANT");
+    return e && strcmp(e, "1") == 0;
+  }();
+  return on;
+}
+
 void gemv_q8(const Layer& L, const ActQ8& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const bool invariant = batch_invariant();
   for (int64_t m0 = 0; m0 < a.M; m0 += kMaxRows) {
     const int M = int(a.M - m0 < kMaxRows ? a.M - m0 : kMaxRows);
-    const Prep P = prepare(L, a, m0, M);
+    const bool multi = invariant || M > kRegRows;
+    const Prep P = prepare(L, a, m0, M, multi);
     float* ym = y + m0 * ldy;
+    if (multi) {
+      gemv_multi(L, P, y, ldy, n0, n1, m0, M);
+      continue;
+    }
     switch (M) {
       case 1: gemv_rows<4, 1>(L, P, ym, ldy, n0, n1); break;
       case 2: gemv_rows<4, 2>(L, P, ym, ldy, n0, n1); break;
