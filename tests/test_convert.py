@@ -399,3 +399,28 @@ def test_smollm2_resume_after_kills_is_identical(smollm_dir, tmp_path):
     assert run_cli(full + ["-r"], kill_when=work / "quant" / "block_020.json") == -signal.SIGKILL
     run_cli(full + ["-r"])
     assert output_bytes(out) == output_bytes(tmp_path / "ref")
+
+
+def test_loaded_model_holds_only_the_stored_bytes(converted):
+    """Serving memory: after loading and running, the model's tensors are the files' tensors (packed weights,
+    fp16 scales and embedding; only the small norm vectors widen to fp32) and the CPU kernels share them:
+    no dequantized or full-precision copy of any quantized matrix exists."""
+    from exl.cache.contiguous import KVCache
+    from exl.modules.quant_linear import QuantLinear
+
+    out, _ = converted
+    model = exl.load_model(out, progress=False)
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10] * 2]))  # prefill (GEMM path) builds every kernel
+        cache = KVCache(model.config, 1, 24)
+        model(torch.tensor([[1, 2, 3]]), cache=cache)
+        model(torch.tensor([[4]]), cache=cache)  # decode (int8 GEMV path)
+    storages = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    held = sum(storages.values())
+    on_disk = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    norms = sum(m.weight.numel() * 2 for m in model.modules() if type(m).__name__ == "RMSNorm")  # fp16 -> fp32
+    assert held <= on_disk + norms + 4096, (held, on_disk, norms)
+    assert all(not isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 7 * model.config.num_layers + 1  # + head
