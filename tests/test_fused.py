@@ -258,7 +258,7 @@ def quantize_blocks_randomly(model):
     return model
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral-window"])
+@pytest.mark.parametrize("name", ["llama", "mistral-window", "qwen2-window", "qwen3", "llama-rope-dynamic"])
 def test_decoder_stack_matches_block_by_block(tmp_path, name):
     from test_models import BASE, make_model
 

@@ -314,8 +314,13 @@ class DecoderStackCPU {
   void add_block(int64_t cache_layer, at::Tensor attn_norm, at::Tensor mlp_norm, double eps, py::object q,
                  py::object k, py::object v, py::object o, py::object gate, py::object up, py::object down,
                  int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, int64_t window, double softcap,
-                 std::string act, int64_t gemm_min_rows, bool exact) {
+                 std::string act, int64_t gemm_min_rows, bool exact, c10::optional<at::Tensor> q_norm,
+                 c10::optional<at::Tensor> k_norm, double qk_eps) {
     Block b;
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "exl DecoderStackCPU: give both q_norm and k_norm or neither");
+    if (q_norm) b.q_norm = q_norm->contiguous();
+    if (k_norm) b.k_norm = k_norm->contiguous();
+    b.qk_eps = qk_eps;
     b.cache_layer = cache_layer;
     b.attn_norm = attn_norm.contiguous();
     b.mlp_norm = mlp_norm.contiguous();
@@ -357,7 +362,7 @@ class DecoderStackCPU {
       at::Tensor q = b.q->forward(n, "auto", b.gemm_min_rows, b.exact).view({1, 1, b.heads, b.head_dim});
       at::Tensor k = b.k->forward(n, "auto", b.gemm_min_rows, b.exact).view({1, 1, b.kv_heads, b.head_dim});
       const at::Tensor v = b.v->forward(n, "auto", b.gemm_min_rows, b.exact).view({1, 1, b.kv_heads, b.head_dim});
-      f.rope_(q, k, cos, sin, c10::nullopt, c10::nullopt, 1e-6);
+      f.rope_(q, k, cos, sin, b.q_norm, b.k_norm, b.qk_eps);
       const at::Tensor o = f.decode_attention(q, k, v, k_cache, v_cache, b.cache_layer, pos, b.scale, b.window,
                                               b.softcap, "auto");
       at::Tensor a = b.o->forward(o.view({1, 1, b.heads * b.head_dim}), "auto", b.gemm_min_rows, b.exact);
@@ -375,6 +380,8 @@ class DecoderStackCPU {
     int64_t cache_layer = 0;
     at::Tensor attn_norm, mlp_norm;
     double eps = 1e-6;
+    c10::optional<at::Tensor> q_norm, k_norm;  // Qwen3: RMSNorm on each query and key head before RoPE
+    double qk_eps = 1e-6;
     QuantLinearCPU *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *gate = nullptr, *up = nullptr,
                    *down = nullptr;
     int64_t heads = 0, kv_heads = 0, head_dim = 0;
@@ -408,7 +415,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("mlp_norm"), py::arg("eps"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("gate"),
            py::arg("up"), py::arg("down"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("scale"),
            py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("act") = "silu", py::arg("gemm_min_rows") = 17,
-           py::arg("exact") = false, "Append a pre-norm block (its seven QuantLinearCPU layers and norms)")
+           py::arg("exact") = false, py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+           py::arg("qk_eps") = 1e-6, "Append a pre-norm block (its seven QuantLinearCPU layers and norms)")
       .def("forward", &exl::cpu::DecoderStackCPU::forward, py::arg("x"), py::arg("k_cache"), py::arg("v_cache"),
            py::arg("pos"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>(),
            "Run every block for one new token at position pos of a contiguous float32 KV cache")

@@ -41,7 +41,7 @@ class Llama(CausalLM):
             b.mlp(f"{prefix}.mlp"),
         )
 
-    # -- decode in one call ----------------------------------------------------------------------------------------
+    # -- decode in one call (Llama, Mistral, SmolLM2, and Qwen2/3, which reuse this block) --------------------
     # One new token of one sequence with a contiguous float32 cache: every block runs inside the CPU extension's
     # DecoderStackCPU (the same kernels and fused ops as the blocks' fused path, without the Python between them).
     # Quantized models only; anything else (prefill, batches, the paged cache, hooks, autograd) runs block by block.
@@ -70,15 +70,17 @@ class Llama(CausalLM):
             a, m = block.attn, block.mlp
             linears = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, getattr(m, "gate", None), getattr(m, "up", None),
                        getattr(m, "down", None)]
-            if (type(block) is not DecoderBlock or type(m) is not GatedMLP or m.act_kind is None or a.q_norm is not None
-                    or a.rope is not rope or block.attn_norm.eps != block.mlp_norm.eps
+            if (type(block) is not DecoderBlock or type(m) is not GatedMLP or m.act_kind is None or a.rope is not rope or block.attn_norm.eps != block.mlp_norm.eps
                     or not all(isinstance(q, QuantLinear) and q.kernel() is not None for q in linears)
                     or {(q.gemm_min_rows, q.exact) for q in linears} != {(a.q_proj.gemm_min_rows, a.q_proj.exact)}):
                 return False
             stack.add_block(a.layer, block.attn_norm.weight, block.mlp_norm.weight, block.attn_norm.eps,
                             *[q.kernel() for q in linears], heads=a.num_heads, kv_heads=a.num_kv_heads,
                             head_dim=a.head_dim, scale=a.scale, window=a.window or 0, softcap=a.softcap or 0.0,
-                            act=m.act_kind, gemm_min_rows=a.q_proj.gemm_min_rows, exact=a.q_proj.exact)
+                            act=m.act_kind, gemm_min_rows=a.q_proj.gemm_min_rows, exact=a.q_proj.exact,
+                            q_norm=a.q_norm.weight if a.q_norm is not None else None,
+                            k_norm=a.k_norm.weight if a.k_norm is not None else None,
+                            qk_eps=a.q_norm.eps if a.q_norm is not None else 1e-6)
         self._hook_targets = [mod for block in self.layers for mod in block.modules()]
         return stack
 

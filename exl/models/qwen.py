@@ -3,12 +3,12 @@
 Otherwise the Llama block: pre-norm, grouped-query attention with RoPE, SwiGLU MLP.
 """
 
-from exl.models.base import Builder, CausalLM, register
-from exl.models.llama import DecoderBlock
+from exl.models.base import Builder, register
+from exl.models.llama import DecoderBlock, Llama
 
 
 @register("Qwen2ForCausalLM")
-class Qwen2(CausalLM):
+class Qwen2(Llama):  # the Llama block and its one-call decode step
     def build_block(self, b: Builder, layer: int, prefix: str):
         return DecoderBlock(
             b.norm(f"{prefix}.input_layernorm.weight"),
@@ -19,7 +19,7 @@ class Qwen2(CausalLM):
 
 
 @register("Qwen3ForCausalLM")
-class Qwen3(CausalLM):
+class Qwen3(Llama):
     def build_block(self, b: Builder, layer: int, prefix: str):
         bias = self.config.attention_bias
         return DecoderBlock(
