@@ -587,16 +587,12 @@ void gemv_q8(const Layer& L, const ActQ8& a, float* y, int64_t ldy, int64_t n0, 
     const bool multi = invariant || M > kRegRows;
     const Prep P = prepare(L, a, m0, M, multi);
     float* ym = y + m0 * ldy;
-    if (multi) {
-      gemv_multi(L, P, y, ldy, n0, n1, m0, M);
-      continue;
-    }
-    switch (M) {
+    switch (multi ? 0 : M) {
       case 1: gemv_rows<4, 1>(L, P, ym, ldy, n0, n1); break;
       case 2: gemv_rows<4, 2>(L, P, ym, ldy, n0, n1); break;
       case 3: gemv_rows<2, 3>(L, P, ym, ldy, n0, n1); break;
       case 4: gemv_rows<2, 4>(L, P, ym, ldy, n0, n1); break;
-      default: gemv_multi(L, P, y, ldy, n0, n1, m0, M); break;
+      default: gemv_multi(L, P, y, ldy, n0, n1, m0, M); break;  // 5-16 rows, or batch-invariant mode
     }
   }
 }

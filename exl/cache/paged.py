@@ -526,7 +526,6 @@ class _Batched:
         flat = rows.reshape(-1)  # rows r0, r0 + 1, ... (decode steps come first in a batch): slices, not gathers
         self.span = (int(flat[0]), int(flat[0]) + len(flat)) if self.nq == 1 and (np.diff(flat) == 1).all() else None
         self.q_pos, self.device = q_pos, device
-        self.kslots2d = torch.from_numpy(kslots)  # for the fused op (decode rows only): keys of each sequence
         self.lengths = torch.from_numpy(np.ascontiguousarray(q_pos[:, -1] + 1))
         self._bias: dict = {}
         self._bufs = None
@@ -570,7 +569,7 @@ class _Batched:
         ext = fused.ops(q) if nq == 1 and self.device.type == "cpu" else None
         if ext is not None and type(c.k) is FloatStore and c.k.data.dtype is torch.float32 and q.is_contiguous():
             # one query per sequence over a float32 store: read the keys where they lie (cpu_fused.cpp)
-            ext.paged_decode_attention(q, out, self.rows, c.k.data[layer], c.v.data[layer], self.kslots2d,
+            ext.paged_decode_attention(q, out, self.rows, c.k.data[layer], c.v.data[layer], self.kslots.view(g, L),
                                        self.lengths, scale, window or 0, softcap or 0.0)
             return
         hkv = c.config.num_kv_heads

@@ -49,7 +49,8 @@ class Llama(CausalLM):
     _stack = None  # the DecoderStackCPU, False where it does not apply; built on first use
 
     def decode_blocks(self, h, ctx):
-        if h.shape[0] != 1 or h.shape[1] != 1 or type(ctx) is not KVCacheContext or ctx.cache.k.dtype is not torch.float32:
+        if (h.shape[0] != 1 or h.shape[1] != 1 or type(ctx) is not KVCacheContext
+                or ctx.cache.k.dtype is not torch.float32):
             return None
         ext = fused.ops(h)
         if ext is None:
@@ -70,7 +71,8 @@ class Llama(CausalLM):
             a, m = block.attn, block.mlp
             linears = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, getattr(m, "gate", None), getattr(m, "up", None),
                        getattr(m, "down", None)]
-            if (type(block) is not DecoderBlock or type(m) is not GatedMLP or m.act_kind is None or a.rope is not rope or block.attn_norm.eps != block.mlp_norm.eps
+            if (type(block) is not DecoderBlock or type(m) is not GatedMLP or m.act_kind is None or a.rope is not rope
+                    or block.attn_norm.eps != block.mlp_norm.eps
                     or not all(isinstance(q, QuantLinear) and q.kernel() is not None for q in linears)
                     or {(q.gemm_min_rows, q.exact) for q in linears} != {(a.q_proj.gemm_min_rows, a.q_proj.exact)}):
                 return False
