@@ -506,6 +506,71 @@ def test_smollm2_generate_matches_reference_and_ngram_speculation(smol, tok):
     assert ev2.job.generated == want and ev2.accepted_draft_tokens > 0
 
 
+def rtn_quantized(src, dst, bits=4, group=32):
+    """A copy of the model folder src with its decoder matrices rounded to nearest in the exl format
+    (docs/format.md §1: w = s (q - (2^b - 1) / 2), one fp16 scale per group): a real quantized SmolLM2
+    without a conversion run."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from exl import format as F
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    out, c = {}, (2**bits - 1) / 2
+    for f in sorted(src.glob("*.safetensors")):
+        for name, w in load_file(f).items():
+            if not (name.startswith("model.layers.") and name.endswith("proj.weight")):
+                out[name] = w
+                continue
+            n, k = w.shape
+            wg = w.float().view(n, k // group, group)
+            s = (wg.abs().amax(-1) / c).clamp_min(1e-6).half()
+            q = (wg / s.float()[..., None] + c).round().clamp(0, 2**bits - 1).to(torch.uint8).view(n, k)
+            segs, prefix = [F.Segment(k, bits, group)], name[: -len(".weight")]
+            out.update({f"{prefix}.qweight": F.pack_codes(q, segs), f"{prefix}.qscale": s,
+                        f"{prefix}.qmeta": F.segments_to_meta(segs)})
+    save_file(out, dst / "model.safetensors")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def smol_q4(tmp_path_factory):
+    from exl.assets import smollm2_dir
+
+    return exl.load_model(rtn_quantized(smollm2_dir(), tmp_path_factory.mktemp("smol-q4") / "m"), progress=False)
+
+
+def test_quantized_smollm2_speculative_greedy_is_plain_greedy(smol_q4, tok):
+    """The int8 GEMV is batch invariant by default (one summation order for every row count), so verifying drafts
+    in one batch gives each row the bits it gets alone: n-gram speculative greedy decoding reproduces plain greedy
+    token for token on a real quantized model (bench/generator.py's spec_greedy_identical), alone and beside a
+    second job."""
+    from exl.modules.quant_linear import QuantLinear
+
+    assert sum(isinstance(m, QuantLinear) for m in smol_q4.modules()) == 7 * smol_q4.config.num_layers
+    para = ("The if statement runs a block only when its condition holds. The for statement iterates over the items "
+            "of any sequence, in the order that they appear in the sequence. The while statement repeats a block "
+            "as long as its condition stays true, and the break statement leaves the innermost loop.")
+    prompt = tok.apply_chat_template([{"role": "user", "content": f"Repeat this text exactly:\n\n{para}"}])
+    other = tok.apply_chat_template([{"role": "user", "content": "Name three prime numbers."}])
+
+    def run(**kw):
+        gen = Generator(smol_q4, PagedCache(smol_q4, max_tokens=2048, page_size=64), tok, num_draft_tokens=6, **kw)
+        alone = Job(tok.encode(prompt), max_new_tokens=64, sampler=GREEDY, ignore_eos=True)
+        run_all(gen, [alone])
+        # two jobs from the start: at most 2 x 7 rows a step, all on the GEMV (beside a prefill chunk a step
+        # can reach gemm_min_rows and the GEMM, which is not batch invariant: docs/generator.md)
+        pair = [Job(tok.encode(p), max_new_tokens=n, sampler=GREEDY, ignore_eos=True) for p, n in ((prompt, 48), (other, 24))]
+        run_all(gen, pair)
+        return [alone.generated] + [j.generated for j in pair], gen.stats
+
+    plain, _ = run()
+    spec, st = run(ngram_draft=True)
+    assert st["accepted"] > 0
+    assert spec == plain
+
+
 # -- quantized cache through the generator ---------------------------------------------------------------------------
 
 

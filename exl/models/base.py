@@ -190,7 +190,13 @@ class CausalLM(nn.Module):
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu", progress=True,
                **parallel) -> CausalLM:
-    """Load any supported model folder (dense or exl-quantized); tp=N splits it (CausalLM.load)."""
+    """Load any supported model folder (dense or exl-quantized); tp=N splits it (CausalLM.load). On the CPU, unless
+    the user fixed the thread count, cores that other processes keep busy are left out (exl/threads.py)."""
     import exl.models  # noqa: F401  (registers the families)
+
+    if str(device) == "cpu" and not parallel.get("tp"):
+        from exl.threads import apply_auto_threads
+
+        apply_auto_threads()
 
     return CausalLM.load(path, dtype, device, progress, **parallel)
