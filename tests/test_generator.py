@@ -557,11 +557,11 @@ def test_quantized_smollm2_speculative_greedy_is_plain_greedy(smol_q4, tok):
 
     def run(**kw):
         gen = Generator(smol_q4, PagedCache(smol_q4, max_tokens=2048, page_size=64), tok, num_draft_tokens=6, **kw)
-        alone = Job(tok.encode(prompt), max_new_tokens=64, sampler=GREEDY, ignore_eos=True)
+        alone = Job(tok.encode(prompt), max_new_tokens=40, sampler=GREEDY, ignore_eos=True)
         run_all(gen, [alone])
         # two jobs from the start: at most 2 x 7 rows a step, all on the GEMV (beside a prefill chunk a step
         # can reach gemm_min_rows and the GEMM, which is not batch invariant: docs/generator.md)
-        pair = [Job(tok.encode(p), max_new_tokens=n, sampler=GREEDY, ignore_eos=True) for p, n in ((prompt, 48), (other, 24))]
+        pair = [Job(tok.encode(p), max_new_tokens=n, sampler=GREEDY, ignore_eos=True) for p, n in ((prompt, 32), (other, 16))]
         run_all(gen, pair)
         return [alone.generated] + [j.generated for j in pair], gen.stats
 
