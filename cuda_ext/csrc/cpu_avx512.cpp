@@ -217,12 +217,14 @@ Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M) {
 // Per run of 16 blocks, each row's combined block scales (weight scale of the block's group times
 // the activation step) are built in one vector (16 fp16 scales converted at once, permuted to the
 // blocks), then spread to each quad's lanes by a permute.
-template <int BITS, int NR, int MR>
+// XS: the Prep's row count when known at compile time (a call of at most kRegRows rows), else 0.
+template <int BITS, int NR, int MR, int XS>
 EXL_INLINE void row_segment(const Layer& L, const Prep& P, int s, int64_t n, int mo, __m512 (&acc)[NR][MR]) {
   const Segment& sg = L.segs.seg[s];
+  const int64_t xs = XS ? XS : P.M;
   const int blocks = sg.k_len / kBlock, seg_groups = sg.k_len / sg.group_size;
   const int64_t nbk_all = L.K / kBlock;
-  const int8_t* xa = P.x + (int64_t(P.quad_start[s]) * P.M + mo) * kQuadBytes;
+  const int8_t* xa = P.x + (int64_t(P.quad_start[s]) * xs + mo) * kQuadBytes;
   const float* dseg = P.d + mo * nbk_all + sg.k_start / kBlock;
   const uint8_t* w[NR];
   const uint16_t* sr[NR];
@@ -248,8 +250,8 @@ EXL_INLINE void row_segment(const Layer& L, const Prep& P, int s, int64_t n, int
       const int q = 4 * u + k;
       __m512i xlo[MR], xhi[MR];
       for (int m = 0; m < MR; ++m) {
-        xlo[m] = _mm512_load_si512(xa + (int64_t(q) * P.M + m) * kQuadBytes);
-        xhi[m] = _mm512_load_si512(xa + (int64_t(q) * P.M + m) * kQuadBytes + 64);
+        xlo[m] = _mm512_load_si512(xa + (q * xs + m) * kQuadBytes);
+        xhi[m] = _mm512_load_si512(xa + (q * xs + m) * kQuadBytes + 64);
       }
       const __m512i spread = _mm512_add_epi32(base, _mm512_set1_epi32(4 * k));
       for (int r = 0; r < NR; ++r) {
@@ -280,21 +282,21 @@ EXL_INLINE __m512 centre_row(const uint16_t* srow, const float* gsc, int64_t n_g
   return c;
 }
 
-template <int NR, int MR>
+template <int NR, int MR, int XS>
 void row_tile(const Layer& L, const Prep& P, float* y, int64_t ldy, int64_t n, int mo) {
   __m512 acc[NR][MR];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int s = 0; s < L.segs.count; ++s) {
     switch (L.segs.seg[s].bits) {
-      case 1: row_segment<1, NR, MR>(L, P, s, n, mo, acc); break;
-      case 2: row_segment<2, NR, MR>(L, P, s, n, mo, acc); break;
-      case 3: row_segment<3, NR, MR>(L, P, s, n, mo, acc); break;
-      case 4: row_segment<4, NR, MR>(L, P, s, n, mo, acc); break;
-      case 5: row_segment<5, NR, MR>(L, P, s, n, mo, acc); break;
-      case 6: row_segment<6, NR, MR>(L, P, s, n, mo, acc); break;
-      case 7: row_segment<7, NR, MR>(L, P, s, n, mo, acc); break;
-      default: row_segment<8, NR, MR>(L, P, s, n, mo, acc); break;
+      case 1: row_segment<1, NR, MR, XS>(L, P, s, n, mo, acc); break;
+      case 2: row_segment<2, NR, MR, XS>(L, P, s, n, mo, acc); break;
+      case 3: row_segment<3, NR, MR, XS>(L, P, s, n, mo, acc); break;
+      case 4: row_segment<4, NR, MR, XS>(L, P, s, n, mo, acc); break;
+      case 5: row_segment<5, NR, MR, XS>(L, P, s, n, mo, acc); break;
+      case 6: row_segment<6, NR, MR, XS>(L, P, s, n, mo, acc); break;
+      case 7: row_segment<7, NR, MR, XS>(L, P, s, n, mo, acc); break;
+      default: row_segment<8, NR, MR, XS>(L, P, s, n, mo, acc); break;
     }
   }
   for (int r = 0; r < NR; ++r) {
@@ -305,52 +307,62 @@ void row_tile(const Layer& L, const Prep& P, float* y, int64_t ldy, int64_t n, i
   }
 }
 
-// Activation rows mo .. mo + mr - 1 (mr <= kRegRows) against weight rows n .. n + NR - 1.
-// MAXR: the largest mr the caller passes (2 or kRegRows).
-template <int NR, int MAXR>
-EXL_INLINE void row_group(const Layer& L, const Prep& P, float* y, int64_t ldy, int64_t n, int mo, int mr) {
-  if (mr == 1) {
-    row_tile<NR, 1>(L, P, y, ldy, n, mo);
-  } else if (MAXR == 2 || mr == 2) {
-    row_tile<NR, 2>(L, P, y, ldy, n, mo);
-  } else if constexpr (MAXR > 2) {
-    if (mr == 3)
-      row_tile<NR, 3>(L, P, y, ldy, n, mo);
-    else
-      row_tile<NR, 4>(L, P, y, ldy, n, mo);
-  }
-}
-
-// Weight rows in tiles of NR; per tile, the activation rows in groups of up to kRegRows (the tile's
-// packed bytes stay in L1 between groups, so the weights are read from memory once per call).
-// NR = 4 serves at most 2 activation rows (registers).
-template <int NR>
+// A call of MR (<= kRegRows) activation rows: weight rows in tiles of NR.
+template <int NR, int MR>
 void gemv_rows(const Layer& L, const Prep& P, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   v256::prefetch_range(L.qweight + n0 * L.row_bytes,
                        std::min<int64_t>((n1 - n0) * L.row_bytes, v256::kPrefetchBytes));
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
     v256::prefetch_rows(L, n, NR, n1);
-    for (int mo = 0; mo < P.M; mo += kRegRows)
-      row_group<NR, NR == 4 ? 2 : kRegRows>(L, P, y, ldy, n, mo, std::min(kRegRows, P.M - mo));
+    row_tile<NR, MR, MR>(L, P, y, ldy, n, 0);
+  }
+  for (; n < n1; ++n) row_tile<1, MR, MR>(L, P, y, ldy, n, 0);
+}
+
+// Activation rows mo .. mo + mr - 1 (mr <= kRegRows) of a larger call against weight rows n .. n + NR - 1.
+template <int NR>
+EXL_INLINE void row_group(const Layer& L, const Prep& P, float* y, int64_t ldy, int64_t n, int mo, int mr) {
+  switch (mr) {
+    case 1: row_tile<NR, 1, 0>(L, P, y, ldy, n, mo); break;
+    case 2: row_tile<NR, 2, 0>(L, P, y, ldy, n, mo); break;
+    case 3: row_tile<NR, 3, 0>(L, P, y, ldy, n, mo); break;
+    default: row_tile<NR, 4, 0>(L, P, y, ldy, n, mo); break;
+  }
+}
+
+// More than kRegRows rows: weight rows in tiles of 2; per tile, the activation rows in groups of up
+// to kRegRows (the tile's packed bytes stay in L1 between groups: the weights are read from memory
+// once per call, unpacked once per group).
+void gemv_rows_many(const Layer& L, const Prep& P, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  v256::prefetch_range(L.qweight + n0 * L.row_bytes,
+                       std::min<int64_t>((n1 - n0) * L.row_bytes, v256::kPrefetchBytes));
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    v256::prefetch_rows(L, n, 2, n1);
+    for (int mo = 0; mo < P.M; mo += kRegRows) row_group<2>(L, P, y, ldy, n, mo, std::min(kRegRows, P.M - mo));
   }
   for (; n < n1; ++n)
-    for (int mo = 0; mo < P.M; mo += kRegRows) row_group<1, kRegRows>(L, P, y, ldy, n, mo, std::min(kRegRows, P.M - mo));
+    for (int mo = 0; mo < P.M; mo += kRegRows) row_group<1>(L, P, y, ldy, n, mo, std::min(kRegRows, P.M - mo));
 }
 
 // Batch invariance: one summation order for every batch size. Each (weight row, activation row)
-// pair is computed by the same register code (row_tile) whatever the number of rows, so a row's
-// result is bit for bit the same alone or among any others (speculative decoding verifies drafts in
-// one batch and so reproduces plain greedy decoding exactly).
+// pair is computed by the same register code (row_tile: only the addressing differs between
+// NR, MR and XS), so a row's result is bit for bit the same alone or among any others
+// (speculative decoding verifies drafts in one batch and so reproduces plain greedy decoding
+// exactly).
 void gemv_q8(const Layer& L, const ActQ8& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   for (int64_t m0 = 0; m0 < a.M; m0 += kMaxRows) {
     const int M = int(a.M - m0 < kMaxRows ? a.M - m0 : kMaxRows);
     const Prep P = prepare(L, a, m0, M);
     float* ym = y + m0 * ldy;
-    if (M <= 2)
-      gemv_rows<4>(L, P, ym, ldy, n0, n1);
-    else
-      gemv_rows<2>(L, P, ym, ldy, n0, n1);
+    switch (M) {
+      case 1: gemv_rows<4, 1>(L, P, ym, ldy, n0, n1); break;
+      case 2: gemv_rows<4, 2>(L, P, ym, ldy, n0, n1); break;
+      case 3: gemv_rows<2, 3>(L, P, ym, ldy, n0, n1); break;
+      case 4: gemv_rows<2, 4>(L, P, ym, ldy, n0, n1); break;
+      default: gemv_rows_many(L, P, ym, ldy, n0, n1); break;
+    }
   }
 }
 
