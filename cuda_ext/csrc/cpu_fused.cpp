@@ -179,8 +179,8 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor
   });
 }
 
-// ---- Vectorizable kernels. Written as plain loops the compiler vectorizes; each is compiled twice
-// (baseline x86-64 and AVX2+FMA, see KERNEL_TABLE) and chosen at run time.
+// ---- Vectorizable kernels. Written as plain loops the compiler vectorizes; each is compiled three
+// times (baseline x86-64, AVX2+FMA and AVX-512, see KERNEL_TABLE) and chosen at run time.
 
 #define EXL_INLINE inline __attribute__((always_inline))
 // Float-to-int conversions and selects in these loops vectorize only when GCC may assume that no
