@@ -5,21 +5,13 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cuda_device.cuh"
 #include "cuda_kernels.h"
 #include "format.h"
 
 namespace exl {
 namespace cuda {
 namespace {
-
-constexpr int kWarp = 32;
-constexpr unsigned kFull = 0xffffffffu;
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  return v;
-}
 
 template <typename T>
 __device__ __forceinline__ float load_f(const T* p);
@@ -246,7 +238,7 @@ template <int BITS>
 __global__ void kv_quantize_kernel(const __half* __restrict__ x, int64_t rows, int d, float norm,
                                    const uint8_t* __restrict__ signs, uint8_t* __restrict__ packed,
                                    __half* __restrict__ scales) {
-  extern __shared__ float smem[];
+  float* smem = dynamic_shared<float>();
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t r = int64_t(blockIdx.x) * (blockDim.x / kWarp) + warp;
   if (r >= rows) return;
@@ -279,7 +271,7 @@ template <int BITS>
 __global__ void kv_dequantize_kernel(const uint8_t* __restrict__ packed, const __half* __restrict__ scales,
                                      int64_t rows, int d, float norm, bool rotate, const uint8_t* __restrict__ signs,
                                      __half* __restrict__ out) {
-  extern __shared__ float smem[];
+  float* smem = dynamic_shared<float>();
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t r = int64_t(blockIdx.x) * (blockDim.x / kWarp) + warp;
   if (r >= rows) return;
@@ -310,18 +302,18 @@ void launch_gemv(const LayerDev& L, const float* x, int M, float* z, cudaStream_
   const int threads = 128;  // 4 warps = 4 output rows per thread block
   const unsigned grid = blocks_for(L.N * kWarp, threads);
   if (M <= 1)
-    gemv_kernel<1><<<grid, threads, 0, stream>>>(L, x, M, z);
+    EXL_LAUNCH(grid, threads, 0, stream, gemv_kernel<1>)(L, x, M, z);
   else if (M <= 2)
-    gemv_kernel<2><<<grid, threads, 0, stream>>>(L, x, M, z);
+    EXL_LAUNCH(grid, threads, 0, stream, gemv_kernel<2>)(L, x, M, z);
   else if (M <= 4)
-    gemv_kernel<4><<<grid, threads, 0, stream>>>(L, x, M, z);
+    EXL_LAUNCH(grid, threads, 0, stream, gemv_kernel<4>)(L, x, M, z);
   else
-    gemv_kernel<8><<<grid, threads, 0, stream>>>(L, x, M, z);
+    EXL_LAUNCH(grid, threads, 0, stream, gemv_kernel<8>)(L, x, M, z);
 }
 
 void launch_dequant(const LayerDev& L, int64_t n0, int64_t n1, __half* out, cudaStream_t stream) {
   const int threads = 256;
-  dequant_kernel<<<blocks_for((n1 - n0) * kWarp, threads), threads, 0, stream>>>(L, n0, n1, out);
+  EXL_LAUNCH(blocks_for((n1 - n0) * kWarp, threads), threads, 0, stream, dequant_kernel)(L, n0, n1, out);
 }
 
 void launch_hadamard(const void* in, bool in_half, void* out, bool out_half, int64_t rows, int64_t n, int64_t block,
@@ -330,9 +322,10 @@ void launch_hadamard(const void* in, bool in_half, void* out, bool out_half, int
   const dim3 grid(unsigned(rows), unsigned((n + kChunk - 1) / kChunk));
   const float norm = 1.0f / sqrtf(float(block));
   const int b = int(block);
-#define EXL_HAD(TI, TO)                                                                                        \
-  hadamard_kernel<TI, TO><<<grid, kHadThreads, 0, stream>>>(static_cast<const TI*>(in), static_cast<TO*>(out), \
-                                                            n, b, norm, signs, signs_first, bias)
+#define EXL_HAD(TI, TO)                                                                                 \
+  EXL_LAUNCH(grid, kHadThreads, 0, stream, hadamard_kernel<TI, TO>)(static_cast<const TI*>(in),                  \
+                                                                    static_cast<TO*>(out), n, b, norm, signs, \
+                                                                    signs_first, bias)
   if (in_half && out_half)
     EXL_HAD(__half, __half);
   else if (in_half)
@@ -349,9 +342,9 @@ void launch_gather(const float* in, const void* perm, int perm_bytes, int64_t M,
   const int threads = 256;
   const unsigned grid = blocks_for(M * K, threads);
   if (perm_bytes == 2)
-    gather_kernel<int16_t><<<grid, threads, 0, stream>>>(in, static_cast<const int16_t*>(perm), M, K, out);
+    EXL_LAUNCH(grid, threads, 0, stream, gather_kernel<int16_t>)(in, static_cast<const int16_t*>(perm), M, K, out);
   else
-    gather_kernel<int32_t><<<grid, threads, 0, stream>>>(in, static_cast<const int32_t*>(perm), M, K, out);
+    EXL_LAUNCH(grid, threads, 0, stream, gather_kernel<int32_t>)(in, static_cast<const int32_t*>(perm), M, K, out);
 }
 
 void launch_kv_quantize(const __half* x, int64_t rows, int d, int bits, const uint8_t* signs, uint8_t* packed,
@@ -360,7 +353,7 @@ void launch_kv_quantize(const __half* x, int64_t rows, int d, int bits, const ui
   const float norm = 1.0f / sqrtf(float(d));
   const unsigned grid = blocks_for(rows, warps);
   const size_t smem = size_t(warps) * d * sizeof(float);
-#define EXL_KVQ(B) kv_quantize_kernel<B><<<grid, threads, smem, stream>>>(x, rows, d, norm, signs, packed, scales)
+#define EXL_KVQ(B) EXL_LAUNCH(grid, threads, smem, stream, kv_quantize_kernel<B>)(x, rows, d, norm, signs, packed, scales)
   switch (bits) {
     case 4: EXL_KVQ(4); break;
     case 6: EXL_KVQ(6); break;
@@ -376,7 +369,7 @@ void launch_kv_dequantize(const uint8_t* packed, const __half* scales, int64_t r
   const unsigned grid = blocks_for(rows, warps);
   const size_t smem = size_t(warps) * d * sizeof(float);
 #define EXL_KVD(B) \
-  kv_dequantize_kernel<B><<<grid, threads, smem, stream>>>(packed, scales, rows, d, norm, rotate, signs, out)
+  EXL_LAUNCH(grid, threads, smem, stream, kv_dequantize_kernel<B>)(packed, scales, rows, d, norm, rotate, signs, out)
   switch (bits) {
     case 4: EXL_KVD(4); break;
     case 6: EXL_KVD(6); break;

@@ -14,8 +14,16 @@ namespace exl {
 namespace cuda {
 namespace {
 
+// The device the kernels run on: CUDA, or the CPU when the host harness runs them (docs/cuda_host.md).
+#ifdef EXL_CUDA_HOST
+constexpr auto kKernelDevice = c10::DeviceType::CPU;
+#else
+constexpr auto kKernelDevice = c10::DeviceType::CUDA;
+#endif
+
 void check_cuda(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), "exl CUDA kernels: ", name, " must be a CUDA tensor, got one on ", t.device());
+  TORCH_CHECK(t.device().type() == kKernelDevice, "exl CUDA kernels: ", name, " must be a CUDA tensor, got one on ",
+              t.device());
 }
 
 cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
@@ -206,11 +214,8 @@ torch::Tensor kv_dequantize(const torch::Tensor& packed, const torch::Tensor& sc
 }
 
 }  // namespace
-}  // namespace cuda
-}  // namespace exl
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using exl::cuda::QuantLinearCUDA;
+void bind(pybind11::module_& m) {
   m.doc() = "exl CUDA kernels: fused dequant GEMV, GEMM via cuBLAS, Hadamard, quantized KV cache";
   m.def("fwht", &exl::cuda::fwht, py::arg("x"), py::arg("block") = 0, py::arg("signs") = py::none(),
         py::arg("signs_first") = true);
@@ -227,3 +232,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("in_features", &QuantLinearCUDA::in_features)
       .def_property_readonly("out_features", &QuantLinearCUDA::out_features);
 }
+
+}  // namespace cuda
+}  // namespace exl
+
+#ifndef EXL_CUDA_OPS_NO_MODULE  // the host harness builds its own module around bind()
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { exl::cuda::bind(m); }
+#endif
