@@ -299,6 +299,7 @@ inline unsigned blocks_for(int64_t threads, int per_block) { return unsigned((th
 }  // namespace
 
 void launch_gemv(const LayerDev& L, const float* x, int M, float* z, cudaStream_t stream) {
+  if (L.N == 0 || M == 0) return;  // an empty grid is a launch error in CUDA
   const int threads = 128;  // 4 warps = 4 output rows per thread block
   const unsigned grid = blocks_for(L.N * kWarp, threads);
   if (M <= 1)
@@ -312,6 +313,7 @@ void launch_gemv(const LayerDev& L, const float* x, int M, float* z, cudaStream_
 }
 
 void launch_dequant(const LayerDev& L, int64_t n0, int64_t n1, __half* out, cudaStream_t stream) {
+  if (n1 <= n0) return;
   const int threads = 256;
   EXL_LAUNCH(blocks_for((n1 - n0) * kWarp, threads), threads, 0, stream, dequant_kernel)(L, n0, n1, out);
 }
@@ -339,6 +341,7 @@ void launch_hadamard(const void* in, bool in_half, void* out, bool out_half, int
 
 void launch_gather(const float* in, const void* perm, int perm_bytes, int64_t M, int64_t K, float* out,
                    cudaStream_t stream) {
+  if (M * K == 0) return;
   const int threads = 256;
   const unsigned grid = blocks_for(M * K, threads);
   if (perm_bytes == 2)
@@ -349,6 +352,7 @@ void launch_gather(const float* in, const void* perm, int perm_bytes, int64_t M,
 
 void launch_kv_quantize(const __half* x, int64_t rows, int d, int bits, const uint8_t* signs, uint8_t* packed,
                         __half* scales, cudaStream_t stream) {
+  if (rows == 0) return;
   const int threads = 128, warps = threads / kWarp;
   const float norm = 1.0f / sqrtf(float(d));
   const unsigned grid = blocks_for(rows, warps);
@@ -364,6 +368,7 @@ void launch_kv_quantize(const __half* x, int64_t rows, int d, int bits, const ui
 
 void launch_kv_dequantize(const uint8_t* packed, const __half* scales, int64_t rows, int d, int bits, bool rotate,
                           const uint8_t* signs, __half* out, cudaStream_t stream) {
+  if (rows == 0) return;
   const int threads = 128, warps = threads / kWarp;
   const float norm = 1.0f / sqrtf(float(d));
   const unsigned grid = blocks_for(rows, warps);

@@ -286,6 +286,7 @@ struct Warp {
   std::atomic<uint32_t> live{0};  // lanes that have not exited
   uint32_t exists = 0;            // lanes of this warp inside blockDim
   uint64_t slot[2][32];           // shuffle exchange, double-buffered
+  uint64_t seq[2][32];            // which of the lane's warp operations wrote the slot
 };
 
 struct Block {
@@ -328,7 +329,7 @@ inline void Barrier::wait(Block& b, const char* what) {
 struct ThreadState {
   Block* block = nullptr;
   unsigned tid = 0;          // linear thread index in the block
-  unsigned shfl_parity = 0;  // which slot buffer this lane's next shuffle uses
+  uint64_t warp_ops = 0;     // shuffles/votes this lane has done: the next one uses buffer warp_ops % 2
   void* dyn_smem = nullptr;
 };
 inline thread_local ThreadState self;
@@ -367,14 +368,15 @@ T shuffle(unsigned mask, T v, int src, const char* what) {
   static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
   check_warp_mask(mask, what);
   Warp& w = warp();
-  const unsigned me = lane(), p = self.shfl_parity;
-  self.shfl_parity ^= 1u;
+  const unsigned me = lane();
+  const uint64_t op = ++self.warp_ops, p = op % 2;
   uint64_t raw = 0;
   memcpy(&raw, &v, sizeof(T));
   w.slot[p][me] = raw;
+  w.seq[p][me] = op;
   w.bar.wait(block(), what);
   if (src < 0) return v;  // out of the lane's segment: its own value
-  if (!((w.live.load() >> src) & 1u)) {
+  if (w.seq[p][src] != op) {  // the source lane did not take part in this operation
     block().fail(std::string(what) + " reads lane " + std::to_string(src) + ", which has exited");
     throw Abort{};
   }
@@ -413,13 +415,13 @@ inline unsigned __ballot_sync(unsigned mask, int pred) {
   using namespace exl_host;
   check_warp_mask(mask, "__ballot_sync");
   Warp& w = warp();
-  const unsigned p = self.shfl_parity;
-  self.shfl_parity ^= 1u;
+  const uint64_t op = ++self.warp_ops, p = op % 2;
   w.slot[p][lane()] = pred ? 1u : 0u;
+  w.seq[p][lane()] = op;
   w.bar.wait(block(), "__ballot_sync");
   unsigned r = 0;
   for (unsigned l = 0; l < 32; ++l)
-    if ((mask >> l) & (w.exists >> l) & 1u) r |= unsigned(w.slot[p][l] & 1u) << l;
+    if ((mask >> l) & (w.exists >> l) & 1u) r |= unsigned(w.seq[p][l] == op && (w.slot[p][l] & 1u)) << l;
   return r;
 }
 inline int __any_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) != 0; }
@@ -592,10 +594,11 @@ void launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 blk, size_t 
           wp.bar.reset(lanes);
           wp.exists = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u);
           wp.live = wp.exists;
+          memset(wp.seq, 0, sizeof wp.seq);
         }
         std::fill(dyn.begin(), dyn.end(), std::numeric_limits<float>::quiet_NaN());  // uninitialized shared memory
         Pool::get().run(n, [&](unsigned tid) {
-          self = ThreadState{&b, tid, 0, dyn.data()};
+          self = ThreadState{&b, tid, 0, dyn.data()};  // warp_ops restarts at 0 with the seq tags
           threadIdx = uint3{tid % blk.x, (tid / blk.x) % blk.y, tid / (blk.x * blk.y)};
           blockIdx = uint3{x, y, z};
           blockDim = blk;
