@@ -106,7 +106,7 @@ def test_dequant_row_range_is_exact(host):
 
 
 # ---------------------------------------------------------------------------------------------
-# Hadamard (all four dtype pairs), perm gather
+# Hadamard (all four dtype pairs, with and without the act-order permutation)
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float16, torch.float16), (torch.float16, torch.float32),
@@ -128,14 +128,18 @@ def test_hadamard_dtypes_chunks_signs_bias(host, dtypes):
         assert torch.allclose(out.double(), want, rtol=tol, atol=tol * 4), f"n={n} {dtypes}"
 
 
-@pytest.mark.parametrize("perm_dtype", [torch.int16, torch.int32])
-def test_gather(host, perm_dtype):
-    x = torch.randn(3, 300)
-    perm = torch.randperm(300).to(perm_dtype)
-    buf, out = guarded((3, 300), torch.float32)
-    host.gather(nan_tail(x), perm, out)
-    assert_guards(buf, 900)
-    assert torch.equal(out, x[:, perm.long()])
+def test_hadamard_with_permutation_fused(host):
+    """Step 1+2 of the forward pass in one launch: u' = (H D_u x)[perm] via the inverse permutation."""
+    g = torch.Generator().manual_seed(6)
+    n = 2240
+    x = torch.randn(2, n, generator=g).half()
+    s = torch.where(torch.rand(n, generator=g) < 0.5, -1, 1)
+    perm = torch.randperm(n, generator=g)
+    buf, out = guarded((2, n), torch.float32)
+    host.hadamard(nan_tail(x), out, 64, F.pack_signs(s), True, None, perm.argsort().to(torch.int32))
+    assert_guards(buf, 2 * n)
+    want = F.fwht(x.double() * s.double(), 64)[:, perm]
+    assert torch.allclose(out.double(), want, rtol=2.0**-20, atol=2.0**-20)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,7 +191,7 @@ def test_kv_bindings_shapes_and_empty_input(host):
 
 
 # ---------------------------------------------------------------------------------------------
-# The whole layer through cuda_ops.cpp (the torch bindings): hadamard -> gather -> gemv / dequant+mm -> hadamard
+# The whole layer through cuda_ops.cpp (the torch bindings): hadamard+perm -> gemv / dequant+mm -> hadamard
 
 
 @pytest.mark.parametrize("flags", [(False, False, False, False), (True, True, True, True), (True, False, True, False)])

@@ -1,5 +1,7 @@
-// CUDA kernels for Ampere / Ada / Hopper: fused dequant GEMV (1-8 rows), tile dequantization for
-// the cuBLAS GEMM path, the blockwise Hadamard transform, perm gather and the KV-cache quantizer.
+// CUDA kernels for Turing to Blackwell: fused dequant GEMV (1-8 rows), tile dequantization for the
+// cuBLAS GEMM path, the blockwise Hadamard transform (with the act-order permutation fused into its
+// store) and the KV-cache quantizer. The host harness runs this same file on CPU threads
+// (docs/cuda_host.md).
 // Block decoding is format.h's, shared with the CPU kernels.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -143,14 +145,17 @@ __global__ void dequant_kernel(LayerDev L, int64_t n0, int64_t n1, __half* __res
 
 // ---------------------------------------------------------------------------------------------
 // Blockwise Hadamard transform. One thread block per (row, chunk of kChunk values); chunks are
-// whole Hadamard blocks (block <= 128 divides kChunk), butterflies in shared memory.
+// whole Hadamard blocks (block <= 128 divides kChunk), butterflies in shared memory. With `scatter`
+// (the inverse of the act-order permutation) value i is stored at scatter[i], so the transform and
+// the permutation u' = u[perm] of the forward pass are one launch.
 
 constexpr int kChunk = 2048;
 constexpr int kHadThreads = 256;
 
 template <typename TI, typename TO>
 __global__ void hadamard_kernel(const TI* __restrict__ in, TO* __restrict__ out, int64_t n, int block, float norm,
-                                const uint8_t* __restrict__ signs, bool signs_first, const float* __restrict__ bias) {
+                                const uint8_t* __restrict__ signs, bool signs_first, const float* __restrict__ bias,
+                                const int32_t* __restrict__ scatter) {
   __shared__ float sh[kChunk];
   const int64_t r = blockIdx.x;
   const int64_t c0 = int64_t(blockIdx.y) * kChunk;
@@ -171,22 +176,13 @@ __global__ void hadamard_kernel(const TI* __restrict__ in, TO* __restrict__ out,
     }
     __syncthreads();
   }
-  TO* dst = out + r * n + c0;
+  TO* dst = out + r * n;
   for (int i = threadIdx.x; i < len; i += blockDim.x) {
     float v = sh[i] * norm;
     if (signs && !signs_first) v *= sign_at(signs, c0 + i);
     if (bias) v += bias[c0 + i];
-    store_f<TO>(dst + i, v);
+    store_f<TO>(dst + (scatter ? int64_t(scatter[c0 + i]) : c0 + i), v);
   }
-}
-
-template <typename I>
-__global__ void gather_kernel(const float* __restrict__ in, const I* __restrict__ perm, int64_t M, int64_t K,
-                              float* __restrict__ out) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= M * K) return;
-  const int64_t m = i / K, k = i % K;
-  out[i] = in[m * K + int64_t(perm[k])];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -319,7 +315,8 @@ void launch_dequant(const LayerDev& L, int64_t n0, int64_t n1, __half* out, cuda
 }
 
 void launch_hadamard(const void* in, bool in_half, void* out, bool out_half, int64_t rows, int64_t n, int64_t block,
-                     const uint8_t* signs, bool signs_first, const float* bias, cudaStream_t stream) {
+                     const uint8_t* signs, bool signs_first, const float* bias, const int32_t* scatter,
+                     cudaStream_t stream) {
   if (rows == 0 || n == 0) return;
   const dim3 grid(unsigned(rows), unsigned((n + kChunk - 1) / kChunk));
   const float norm = 1.0f / sqrtf(float(block));
@@ -327,7 +324,7 @@ void launch_hadamard(const void* in, bool in_half, void* out, bool out_half, int
 #define EXL_HAD(TI, TO)                                                                                 \
   EXL_LAUNCH(grid, kHadThreads, 0, stream, hadamard_kernel<TI, TO>)(static_cast<const TI*>(in),                  \
                                                                     static_cast<TO*>(out), n, b, norm, signs, \
-                                                                    signs_first, bias)
+                                                                    signs_first, bias, scatter)
   if (in_half && out_half)
     EXL_HAD(__half, __half);
   else if (in_half)
@@ -337,17 +334,6 @@ void launch_hadamard(const void* in, bool in_half, void* out, bool out_half, int
   else
     EXL_HAD(float, float);
 #undef EXL_HAD
-}
-
-void launch_gather(const float* in, const void* perm, int perm_bytes, int64_t M, int64_t K, float* out,
-                   cudaStream_t stream) {
-  if (M * K == 0) return;
-  const int threads = 256;
-  const unsigned grid = blocks_for(M * K, threads);
-  if (perm_bytes == 2)
-    EXL_LAUNCH(grid, threads, 0, stream, gather_kernel<int16_t>)(in, static_cast<const int16_t*>(perm), M, K, out);
-  else
-    EXL_LAUNCH(grid, threads, 0, stream, gather_kernel<int32_t>)(in, static_cast<const int32_t*>(perm), M, K, out);
 }
 
 void launch_kv_quantize(const __half* x, int64_t rows, int d, int bits, const uint8_t* signs, uint8_t* packed,

@@ -39,7 +39,8 @@ class QuantLinearCUDA {
     qscale_ = qscale.contiguous();
     TORCH_CHECK(reinterpret_cast<uintptr_t>(qweight_.data_ptr()) % 4 == 0,
                 "exl QuantLinear: qweight must be 4-byte aligned on the GPU (copy it with .contiguous().clone())");
-    if (present(perm)) perm_ = perm->to(dev).contiguous();
+    // u' = u[perm] is stored by the Hadamard launch: value i goes to inverse_perm[i]
+    if (present(perm)) perm_inv_ = perm->to(dev, torch::kLong).argsort().to(torch::kInt).contiguous();
     if (present(su)) su_ = su->to(dev).contiguous();
     if (present(sv)) sv_ = sv->to(dev).contiguous();
     if (present(bias)) bias_ = bias->to(dev, torch::kFloat32).contiguous();
@@ -85,17 +86,11 @@ class QuantLinearCUDA {
     const bool gemv = path == "gemv" || (path == "auto" && M <= kMaxGemvRows);
     const auto f32 = x.options().dtype(torch::kFloat32);
 
-    // 1. u = H (D_u x) in fp32 (a plain fp16 -> fp32 copy without su)
+    // 1.+2. u' = (H (D_u x))[perm] in fp32, one launch (a plain fp16 -> fp32 copy without su and perm)
     auto u = torch::empty({M, K}, f32);
     launch_hadamard(x2.data_ptr(), true, u.data_ptr(), false, M, K, su_.defined() ? hadamard_block(K) : 1,
-                    su_.defined() ? su_.data_ptr<uint8_t>() : nullptr, true, nullptr, stream());
-    // 2. u' = u[perm]
-    if (perm_.defined()) {
-      auto g = torch::empty({M, K}, f32);
-      launch_gather(u.data_ptr<float>(), perm_.data_ptr(), int(perm_.element_size()), M, K, g.data_ptr<float>(),
-                    stream());
-      u = g;
-    }
+                    su_.defined() ? su_.data_ptr<uint8_t>() : nullptr, true, nullptr,
+                    perm_inv_.defined() ? perm_inv_.data_ptr<int32_t>() : nullptr, stream());
     // 3. z = Q u'
     auto z = torch::empty({M, N}, f32);
     if (gemv) {
@@ -116,13 +111,13 @@ class QuantLinearCUDA {
     // 4.+5. y = D_v (H z) + bias, to fp16
     launch_hadamard(z.data_ptr(), false, y.data_ptr(), true, M, N, sv_.defined() ? hadamard_block(N) : 1,
                     sv_.defined() ? sv_.data_ptr<uint8_t>() : nullptr, false,
-                    bias_.defined() ? bias_.data_ptr<float>() : nullptr, stream());
+                    bias_.defined() ? bias_.data_ptr<float>() : nullptr, nullptr, stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return y.reshape(out_shape);
   }
 
  private:
-  torch::Tensor qweight_, qscale_, perm_, su_, sv_, bias_;
+  torch::Tensor qweight_, qscale_, perm_inv_, su_, sv_, bias_;
   LayerDev layer_{};
 };
 
@@ -146,7 +141,7 @@ torch::Tensor fwht(const torch::Tensor& x, int64_t block, c10::optional<torch::T
   auto y = torch::empty_like(xc);
   const bool half = x.scalar_type() == torch::kHalf;
   launch_hadamard(xc.data_ptr(), half, y.data_ptr(), half, n ? xc.numel() / n : 0, n, block,
-                  s.defined() ? s.data_ptr<uint8_t>() : nullptr, signs_first, nullptr, stream());
+                  s.defined() ? s.data_ptr<uint8_t>() : nullptr, signs_first, nullptr, nullptr, stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return y;
 }

@@ -48,24 +48,18 @@ void bind_host(pybind11::module_& m) {
     check_launch();
   });
   m.def("hadamard", [](const torch::Tensor& in, torch::Tensor out, int64_t block, c10::optional<torch::Tensor> signs,
-                       bool signs_first, c10::optional<torch::Tensor> bias) {
+                       bool signs_first, c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> scatter) {
     TORCH_CHECK(in.is_contiguous() && out.is_contiguous() && in.numel() == out.numel() && in.dim() == 2,
                 "exl_cuda_host.hadamard: in and out must be contiguous [rows, n] of the same size");
-    const int64_t n = in.size(1);
+    TORCH_CHECK(!present(scatter) || (scatter->scalar_type() == at::kInt && scatter->numel() == in.size(1)),
+                "exl_cuda_host.hadamard: scatter must be int32 [n]");
     launch_hadamard(in.data_ptr(), in.scalar_type() == at::kHalf, out.data_ptr(), out.scalar_type() == at::kHalf,
-                    in.size(0), n, block, present(signs) ? signs->data_ptr<uint8_t>() : nullptr, signs_first,
-                    present(bias) ? bias->data_ptr<float>() : nullptr, nullptr);
+                    in.size(0), in.size(1), block, present(signs) ? signs->data_ptr<uint8_t>() : nullptr, signs_first,
+                    present(bias) ? bias->data_ptr<float>() : nullptr,
+                    present(scatter) ? scatter->data_ptr<int32_t>() : nullptr, nullptr);
     check_launch();
   }, py::arg("in"), py::arg("out"), py::arg("block"), py::arg("signs") = py::none(), py::arg("signs_first") = true,
-     py::arg("bias") = py::none());
-  m.def("gather", [](const torch::Tensor& in, const torch::Tensor& perm, torch::Tensor out) {
-    check_out(in, at::kFloat, "in");
-    check_out(out, at::kFloat, "out");
-    TORCH_CHECK(in.dim() == 2 && perm.numel() == in.size(1) && out.numel() == in.numel(), "exl_cuda_host.gather: shapes");
-    launch_gather(in.data_ptr<float>(), perm.data_ptr(), int(perm.element_size()), in.size(0), in.size(1),
-                  out.data_ptr<float>(), nullptr);
-    check_launch();
-  });
+     py::arg("bias") = py::none(), py::arg("scatter") = py::none());
   m.def("kv_quantize_into", [](const torch::Tensor& x, int64_t bits, c10::optional<torch::Tensor> signs,
                                torch::Tensor packed, torch::Tensor scales) {
     check_out(x, at::kHalf, "x");
