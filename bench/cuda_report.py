@@ -86,7 +86,7 @@ class GPU:
     bandwidth: float  # bytes/s (the figure the issue gives)
     clock: float  # boost clock, Hz
     latency: float = 600e-9  # loaded DRAM latency assumed for Little's law
-    l1_bytes_per_clock: int = 128  # L1 load bandwidth per SM
+    l1_bytes_per_clock: int = 128  # L1 load bandwidth per SM (4 sectors of 32 B per clock)
     kernel_floor: float = 2.5e-6  # smallest time a dependent kernel takes (launch gap + ramp), queued ahead
 
 
@@ -105,7 +105,9 @@ def gemv_efficiency(gpu: GPU, regs: int, n: int, k: int, bits: float, m: int = 1
     need = gpu.bandwidth * gpu.latency / gpu.sms
     dram_per_clock = gpu.bandwidth / (gpu.sms * gpu.clock)
     l1_need = dram_per_clock * (128 * m) / (4 * bits)  # fp32 x: 128·M bytes per 4·b weight bytes
-    return min(1.0, inflight / need), min(1.0, gpu.l1_bytes_per_clock / l1_need)
+    # lane l reads 16 B of x at 128·l + ...: every warp load touches 32 sectors and uses half of each
+    l1_useful = gpu.l1_bytes_per_clock / 2
+    return min(1.0, inflight / need), min(1.0, l1_useful / l1_need)
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,7 @@ def roofline(model: Model, gpu: GPU, usages) -> dict:
     t_gemv, worst = 0.0, 1.0
     for i, (n, k) in enumerate(mats):
         bits = HEAD_BPW if i == len(mats) - 1 else BPW
-        eff, _ = gemv_efficiency(gpu, regs, n, k, bits)
+        eff = min(gemv_efficiency(gpu, regs, n, k, bits))
         worst = min(worst, eff)
         t_gemv += max(gpu.kernel_floor, n * k * bits / 8 / (gpu.bandwidth * eff))
     t_small = len(mats) * (LAUNCHES_PER_LINEAR - 1) * gpu.kernel_floor
@@ -170,7 +172,7 @@ def roofline_table(usages) -> str:
 
 
 def gemv_table(usages) -> str:
-    out = ["| GPU | rows M | GEMV regs | occupancy | Little's law (N=4096, K=4096, 4-bit) | L1 feed (fp32 x) |",
+    out = ["| GPU | rows M | GEMV regs | occupancy | Little's law (N=4096, K=4096, 4-bit) | L1 feed of x (fp32, half-used sectors) |",
            "|---|---|---|---|---|---|"]
     for gpu in GPUS:
         for m, mr in ((1, 1), (2, 2), (4, 4), (8, 8)):
