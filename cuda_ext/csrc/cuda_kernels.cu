@@ -30,71 +30,90 @@ template <>
 __device__ __forceinline__ void store_f<__half>(__half* p, float v) { *p = __float2half_rn(v); }
 
 // ---------------------------------------------------------------------------------------------
-// GEMV: one warp per output row. Lane l takes blocks l, l+32, ... of each segment: it reads the
-// block's 4*BITS bytes (the warp reads 32 consecutive blocks, one contiguous span of the row),
-// decodes the 32 codes and dots them with the fp32 activations of up to MR rows.
+// GEMV: one warp per R output rows. Lane l takes blocks l, l+32, ... of each segment: it reads the
+// block's 4*BITS bytes of each of its rows (the warp reads 32 consecutive blocks, one contiguous span
+// of a row), decodes the codes and dots them with the fp32 activations of up to MR rows. Each
+// activation load feeds R rows: with R = MR (up to 4), L1 carries no more activation bytes per
+// weight byte than at one row (docs/benchmarks.md, "Can the decode GEMV keep the memory system busy").
 
-template <int BITS, int MR>
-__device__ __forceinline__ void gemv_segment(const uint8_t* row, const __half* srow, const Segment& sg,
-                                             const float* __restrict__ x, int64_t K, int M, float (&acc)[MR],
-                                             int lane) {
+template <int MR>
+__host__ __device__ constexpr int gemv_rows_per_warp() { return MR < 4 ? MR : 4; }
+
+template <int BITS, int MR, int R>
+__device__ __forceinline__ void gemv_segment(const uint8_t* const (&row)[R], const __half* const (&srow)[R],
+                                             const Segment& sg, const float* __restrict__ x, int64_t K, int M,
+                                             float (&acc)[R][MR], int lane) {
   const int nb = sg.k_len / kBlock;
   const float c = code_offset(BITS);
   for (int b = lane; b < nb; b += kWarp) {
-    uint32_t w[BITS];
-    load_block_words<BITS>(row + sg.byte_start + int64_t(b) * block_bytes(BITS), w);
-    const float s = __half2float(srow[sg.group_start + b * kBlock / sg.group_size]);
-    const float* xb = x + sg.k_start + int64_t(b) * kBlock;
-    float part[MR];
+    uint32_t w[R][BITS];
+    float s[R], cs[R];
 #pragma unroll
-    for (int m = 0; m < MR; ++m) part[m] = 0.0f;
+    for (int r = 0; r < R; ++r) {
+      load_block_words<BITS>(row[r] + sg.byte_start + int64_t(b) * block_bytes(BITS), w[r]);
+      s[r] = __half2float(srow[r][sg.group_start + b * kBlock / sg.group_size]);
+      cs[r] = -c * s[r];  // (q - c) * s = q * s - c * s, exact in fp32 (a half-integer times an fp16)
+    }
+    const float* xb = x + sg.k_start + int64_t(b) * kBlock;
 #pragma unroll
     for (int i = 0; i < kBlock; i += 4) {
-      const float q0 = float(block_code<BITS>(w, i)) - c;
-      const float q1 = float(block_code<BITS>(w, i + 1)) - c;
-      const float q2 = float(block_code<BITS>(w, i + 2)) - c;
-      const float q3 = float(block_code<BITS>(w, i + 3)) - c;
+      float q[R][4];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) q[r][j] = fmaf(float(block_code<BITS>(w[r], i + j)), s[r], cs[r]);
 #pragma unroll
       for (int m = 0; m < MR; ++m) {
         if (m < M) {
           const float4 xv = __ldg(reinterpret_cast<const float4*>(xb + m * K + i));
-          part[m] = fmaf(q0, xv.x, fmaf(q1, xv.y, fmaf(q2, xv.z, fmaf(q3, xv.w, part[m]))));
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+            acc[r][m] = fmaf(q[r][0], xv.x, fmaf(q[r][1], xv.y, fmaf(q[r][2], xv.z, fmaf(q[r][3], xv.w, acc[r][m]))));
         }
       }
     }
-#pragma unroll
-    for (int m = 0; m < MR; ++m) acc[m] = fmaf(s, part[m], acc[m]);
   }
 }
 
 template <int MR>
 __global__ void gemv_kernel(LayerDev L, const float* __restrict__ x, int M, float* __restrict__ z) {
-  const int64_t n = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  constexpr int R = gemv_rows_per_warp<MR>();
+  const int64_t n0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp * R;
   const int lane = threadIdx.x % kWarp;
-  if (n >= L.N) return;
-  const uint8_t* row = L.qweight + n * L.row_bytes;
-  const __half* srow = L.qscale + n * L.n_groups;
-  float acc[MR];
+  if (n0 >= L.N) return;
+  const uint8_t* row[R];
+  const __half* srow[R];
 #pragma unroll
-  for (int m = 0; m < MR; ++m) acc[m] = 0.0f;
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = n0 + r < L.N ? n0 + r : n0;  // past the last row: recompute row n0, store nothing
+    row[r] = L.qweight + n * L.row_bytes;
+    srow[r] = L.qscale + n * L.n_groups;
+  }
+  float acc[R][MR];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int m = 0; m < MR; ++m) acc[r][m] = 0.0f;
   for (int s = 0; s < L.segs.count; ++s) {
     const Segment sg = L.segs.seg[s];
     switch (sg.bits) {
-      case 1: gemv_segment<1, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 2: gemv_segment<2, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 3: gemv_segment<3, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 4: gemv_segment<4, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 5: gemv_segment<5, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 6: gemv_segment<6, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 7: gemv_segment<7, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
-      default: gemv_segment<8, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
+      case 1: gemv_segment<1, MR, R>(row, srow, sg, x, L.K, M, acc, lane); break;
+      case 2: gemv_segment<2, MR, R>(row, srow, sg, x, L.K, M, acc, lane); break;
+      case 3: gemv_segment<3, MR, R>(row, srow, sg, x, L.K, M, acc, lane); break;
+      case 4: gemv_segment<4, MR, R>(row, srow, sg, x, L.K, M, acc, lane); break;
+      case 5: gemv_segment<5, MR, R>(row, srow, sg, x, L.K, M, acc, lane); break;
+      case 6: gemv_segment<6, MR, R>(row, srow, sg, x, L.K, M, acc, lane); break;
+      case 7: gemv_segment<7, MR, R>(row, srow, sg, x, L.K, M, acc, lane); break;
+      default: gemv_segment<8, MR, R>(row, srow, sg, x, L.K, M, acc, lane); break;
     }
   }
 #pragma unroll
-  for (int m = 0; m < MR; ++m) {
-    const float v = warp_sum(acc[m]);
-    if (lane == 0 && m < M) z[m * L.N + n] = v;
-  }
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {
+      const float v = warp_sum(acc[r][m]);
+      if (lane == 0 && m < M && n0 + r < L.N) z[m * L.N + n0 + r] = v;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -296,16 +315,16 @@ inline unsigned blocks_for(int64_t threads, int per_block) { return unsigned((th
 
 void launch_gemv(const LayerDev& L, const float* x, int M, float* z, cudaStream_t stream) {
   if (L.N == 0 || M == 0) return;  // an empty grid is a launch error in CUDA
-  const int threads = 128;  // 4 warps = 4 output rows per thread block
-  const unsigned grid = blocks_for(L.N * kWarp, threads);
+  const int threads = 128;  // 4 warps, each R = gemv_rows_per_warp<MR>() output rows
+  auto grid = [&](int R) { return blocks_for((L.N + R - 1) / R * kWarp, threads); };
   if (M <= 1)
-    EXL_LAUNCH(grid, threads, 0, stream, gemv_kernel<1>)(L, x, M, z);
+    EXL_LAUNCH(grid(gemv_rows_per_warp<1>()), threads, 0, stream, gemv_kernel<1>)(L, x, M, z);
   else if (M <= 2)
-    EXL_LAUNCH(grid, threads, 0, stream, gemv_kernel<2>)(L, x, M, z);
+    EXL_LAUNCH(grid(gemv_rows_per_warp<2>()), threads, 0, stream, gemv_kernel<2>)(L, x, M, z);
   else if (M <= 4)
-    EXL_LAUNCH(grid, threads, 0, stream, gemv_kernel<4>)(L, x, M, z);
+    EXL_LAUNCH(grid(gemv_rows_per_warp<4>()), threads, 0, stream, gemv_kernel<4>)(L, x, M, z);
   else
-    EXL_LAUNCH(grid, threads, 0, stream, gemv_kernel<8>)(L, x, M, z);
+    EXL_LAUNCH(grid(gemv_rows_per_warp<8>()), threads, 0, stream, gemv_kernel<8>)(L, x, M, z);
 }
 
 void launch_dequant(const LayerDev& L, int64_t n0, int64_t n1, __half* out, cudaStream_t stream) {
