@@ -28,9 +28,10 @@ from cuda_ext.compile_check import LIMITS, kernel_usages  # noqa: E402
 
 KERNELS = {
     "gemv_kernel<MR>": dict(threads=128, dyn_smem=0, pattern=(
-        "one warp per output row n: reads the row's K·b/8 code bytes and 2K/g scale bytes once (coalesced, "
-        "lane l takes blocks l, l+32, ...), and x (fp32 [M, K]) through L1 (`__ldg`, 4·M·K bytes per warp); "
-        "writes 4·M bytes", "DRAM: (K·b/8 + 2K/g)/M + 4 per output; L1: 4K per output")),
+        "one warp per R = min(MR, 4) output rows: reads each row's K·b/8 code bytes and 2K/g scale bytes once "
+        "(coalesced, lane l takes blocks l, l+32, ...), and x (fp32 [M, K]) through L1 (`__ldg`, 4·M·K bytes "
+        "per warp, each load used for R rows); writes 4·M bytes per row",
+        "DRAM: (K·b/8 + 2K/g)/M + 4 per output; L1: 4K/R per output")),
     "dequant_kernel": dict(threads=256, dyn_smem=0, pattern=(
         "one warp per row, a lane decodes one 32-code block per step and writes 64 B of fp16",
         "b/8 + 2/g read, 2 written")),
@@ -93,18 +94,24 @@ class GPU:
 GPUS = [GPU("RTX 3090", "86", 82, 936e9, 1.695e9), GPU("RTX 4090", "89", 128, 1008e9, 2.52e9)]
 
 
+def rows_per_warp(mr: int) -> int:
+    return min(mr, 4)  # gemv_rows_per_warp in cuda_kernels.cu
+
+
 def gemv_efficiency(gpu: GPU, regs: int, n: int, k: int, bits: float, m: int = 1) -> tuple[float, float]:
     """(Little's-law fraction of bandwidth the GEMV can keep in flight, L1 fraction) for an N x K matrix."""
     from cuda_ext.compile_check import KernelUsage
 
+    mr = 1 << (m - 1).bit_length()  # the instantiation the launcher picks: 1, 2, 4, 8
+    r = rows_per_warp(mr)
     u = KernelUsage("gemv", gpu.arch, regs, 0, 0, 0, 0)
     _, resident, _ = u.occupancy(128)
-    warps_per_sm = min(resident, n / gpu.sms)  # one warp per output row
+    warps_per_sm = min(resident, n / r / gpu.sms)  # one warp per R output rows
     lanes_busy = min(32, k // 32)  # blocks of 32 codes per row, one per lane and step
-    inflight = warps_per_sm * lanes_busy * 4 * bits  # each lane loads one block (4·b bytes) per step
+    inflight = warps_per_sm * lanes_busy * 4 * bits * r  # each lane loads one block (4·b bytes) per row and step
     need = gpu.bandwidth * gpu.latency / gpu.sms
     dram_per_clock = gpu.bandwidth / (gpu.sms * gpu.clock)
-    l1_need = dram_per_clock * (128 * m) / (4 * bits)  # fp32 x: 128·M bytes per 4·b weight bytes
+    l1_need = dram_per_clock * (128 * m / r) / (4 * bits)  # fp32 x: 128·M bytes per R blocks of 4·b bytes
     # lane l reads 16 B of x at 128·l + ...: every warp load touches 32 sectors and uses half of each
     l1_useful = gpu.l1_bytes_per_clock / 2
     return min(1.0, inflight / need), min(1.0, l1_useful / l1_need)
@@ -172,14 +179,14 @@ def roofline_table(usages) -> str:
 
 
 def gemv_table(usages) -> str:
-    out = ["| GPU | rows M | GEMV regs | occupancy | Little's law (N=4096, K=4096, 4-bit) | L1 feed of x (fp32, half-used sectors) |",
-           "|---|---|---|---|---|---|"]
+    out = ["| GPU | rows M | rows per warp | GEMV regs | occupancy | Little's law (N=4096, K=4096, 4-bit) "
+           "| L1 feed of x (fp32, half-used sectors) |", "|---|---|---|---|---|---|---|"]
     for gpu in GPUS:
         for m, mr in ((1, 1), (2, 2), (4, 4), (8, 8)):
             u = next(u for u in usages if u.kernel == f"gemv_kernel<{mr}>" and u.arch == gpu.arch)
             occ, _, _ = u.occupancy(128)
             eff, l1 = gemv_efficiency(gpu, u.registers, 4096, 4096, 4.0, m)
-            out.append(f"| {gpu.name} | {m} | {u.registers} | {occ:.0%} | {eff:.0%} | {l1:.0%} |")
+            out.append(f"| {gpu.name} | {m} | {rows_per_warp(mr)} | {u.registers} | {occ:.0%} | {eff:.0%} | {l1:.0%} |")
     return "\n".join(out) + "\n"
 
 
