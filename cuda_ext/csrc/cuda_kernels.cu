@@ -32,20 +32,34 @@ __device__ __forceinline__ void store_f<__half>(__half* p, float v) { *p = __flo
 // ---------------------------------------------------------------------------------------------
 // GEMV: one warp per R output rows. Lane l takes blocks l, l+32, ... of each segment: it reads the
 // block's 4*BITS bytes of each of its rows (the warp reads 32 consecutive blocks, one contiguous span
-// of a row), decodes the codes and dots them with the fp32 activations of up to MR rows. Each
-// activation load feeds R rows: with R = MR (up to 4), L1 carries no more activation bytes per
-// weight byte than at one row (docs/benchmarks.md, "Can the decode GEMV keep the memory system busy").
+// of a row), decodes the codes and dots them with the fp32 activations of up to MR rows. The
+// activations of each step's 32 blocks (a tile of 1024 channels) are staged once per thread block
+// in shared memory, padded so that the lanes' float4 reads hit distinct banks, and each read feeds R
+// rows (docs/benchmarks.md, "Can the decode GEMV keep the memory system busy").
 
 template <int MR>
 __host__ __device__ constexpr int gemv_rows_per_warp() { return MR < 4 ? MR : 4; }
 
+constexpr int kTileStride = kBlock + 4;  // floats per block of activations in shared memory (padded)
+
 template <int BITS, int MR, int R>
 __device__ __forceinline__ void gemv_segment(const uint8_t* const (&row)[R], const __half* const (&srow)[R],
                                              const Segment& sg, const float* __restrict__ x, int64_t K, int M,
-                                             float (&acc)[R][MR], int lane) {
+                                             float (&acc)[R][MR], int lane, bool active, float* tile) {
   const int nb = sg.k_len / kBlock;
   const float c = code_offset(BITS);
-  for (int b = lane; b < nb; b += kWarp) {
+  for (int b0 = 0; b0 < nb; b0 += kWarp) {  // the same steps in every warp of the block
+    const int b = b0 + lane;
+    const bool mine = active && b < nb;
+    const int nt = nb - b0 < kWarp ? nb - b0 : kWarp;  // blocks in this tile
+    __syncthreads();                                  // every warp is done with the previous tile
+    for (int e = threadIdx.x; e < M * nt * 8; e += blockDim.x) {  // float4 units, 8 per block
+      const int m = e / (nt * 8), blk = e % (nt * 8) / 8, q4 = e % 8;
+      const float4 v = __ldg(reinterpret_cast<const float4*>(x + m * K + sg.k_start + int64_t(b0 + blk) * kBlock) + q4);
+      *reinterpret_cast<float4*>(tile + (m * kWarp + blk) * kTileStride + 4 * q4) = v;
+    }
+    __syncthreads();
+    if (!mine) continue;
     uint32_t w[R][BITS];
     float s[R], cs[R];
 #pragma unroll
@@ -54,7 +68,7 @@ __device__ __forceinline__ void gemv_segment(const uint8_t* const (&row)[R], con
       s[r] = __half2float(srow[r][sg.group_start + b * kBlock / sg.group_size]);
       cs[r] = -c * s[r];  // (q - c) * s = q * s - c * s, exact in fp32 (a half-integer times an fp16)
     }
-    const float* xb = x + sg.k_start + int64_t(b) * kBlock;
+    const float* xs = tile + lane * kTileStride;
 #pragma unroll
     for (int i = 0; i < kBlock; i += 4) {
       float q[R][4];
@@ -65,7 +79,7 @@ __device__ __forceinline__ void gemv_segment(const uint8_t* const (&row)[R], con
 #pragma unroll
       for (int m = 0; m < MR; ++m) {
         if (m < M) {
-          const float4 xv = __ldg(reinterpret_cast<const float4*>(xb + m * K + i));
+          const float4 xv = *reinterpret_cast<const float4*>(xs + m * kWarp * kTileStride + i);
 #pragma unroll
           for (int r = 0; r < R; ++r)
             acc[r][m] = fmaf(q[r][0], xv.x, fmaf(q[r][1], xv.y, fmaf(q[r][2], xv.z, fmaf(q[r][3], xv.w, acc[r][m]))));
@@ -78,14 +92,15 @@ __device__ __forceinline__ void gemv_segment(const uint8_t* const (&row)[R], con
 template <int MR>
 __global__ void gemv_kernel(LayerDev L, const float* __restrict__ x, int M, float* __restrict__ z) {
   constexpr int R = gemv_rows_per_warp<MR>();
+  __shared__ __align__(16) float tile[MR * kWarp * kTileStride];
   const int64_t n0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp * R;
   const int lane = threadIdx.x % kWarp;
-  if (n0 >= L.N) return;
+  const bool active = n0 < L.N;  // warps past the last row still stage activations for the others
   const uint8_t* row[R];
   const __half* srow[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int64_t n = n0 + r < L.N ? n0 + r : n0;  // past the last row: recompute row n0, store nothing
+    const int64_t n = n0 + r < L.N ? n0 + r : (active ? n0 : 0);  // past the last row: recompute a row, store nothing
     row[r] = L.qweight + n * L.row_bytes;
     srow[r] = L.qscale + n * L.n_groups;
   }
@@ -97,16 +112,17 @@ __global__ void gemv_kernel(LayerDev L, const float* __restrict__ x, int M, floa
   for (int s = 0; s < L.segs.count; ++s) {
     const Segment sg = L.segs.seg[s];
     switch (sg.bits) {
-      case 1: gemv_segment<1, MR, R>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 2: gemv_segment<2, MR, R>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 3: gemv_segment<3, MR, R>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 4: gemv_segment<4, MR, R>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 5: gemv_segment<5, MR, R>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 6: gemv_segment<6, MR, R>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 7: gemv_segment<7, MR, R>(row, srow, sg, x, L.K, M, acc, lane); break;
-      default: gemv_segment<8, MR, R>(row, srow, sg, x, L.K, M, acc, lane); break;
+      case 1: gemv_segment<1, MR, R>(row, srow, sg, x, L.K, M, acc, lane, active, tile); break;
+      case 2: gemv_segment<2, MR, R>(row, srow, sg, x, L.K, M, acc, lane, active, tile); break;
+      case 3: gemv_segment<3, MR, R>(row, srow, sg, x, L.K, M, acc, lane, active, tile); break;
+      case 4: gemv_segment<4, MR, R>(row, srow, sg, x, L.K, M, acc, lane, active, tile); break;
+      case 5: gemv_segment<5, MR, R>(row, srow, sg, x, L.K, M, acc, lane, active, tile); break;
+      case 6: gemv_segment<6, MR, R>(row, srow, sg, x, L.K, M, acc, lane, active, tile); break;
+      case 7: gemv_segment<7, MR, R>(row, srow, sg, x, L.K, M, acc, lane, active, tile); break;
+      default: gemv_segment<8, MR, R>(row, srow, sg, x, L.K, M, acc, lane, active, tile); break;
     }
   }
+  if (!active) return;
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll

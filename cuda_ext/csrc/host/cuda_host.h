@@ -44,7 +44,7 @@
 #define __shared__ static
 #define __constant__ static
 #define __launch_bounds__(...)
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 
 // ---------------------------------------------------------------------------------------------
 // Built-in types
