@@ -29,9 +29,9 @@ from cuda_ext.compile_check import LIMITS, kernel_usages  # noqa: E402
 KERNELS = {
     "gemv_kernel<MR>": dict(threads=128, dyn_smem=0, pattern=(
         "one warp per R = min(MR, 4) output rows: reads each row's K·b/8 code bytes and 2K/g scale bytes once "
-        "(coalesced, lane l takes blocks l, l+32, ...), and x (fp32 [M, K]) through L1 (`__ldg`, 4·M·K bytes "
-        "per warp, each load used for R rows); writes 4·M bytes per row",
-        "DRAM: (K·b/8 + 2K/g)/M + 4 per output; L1: 4K/R per output")),
+        "(coalesced, lane l takes blocks l, l+32, ...); x (fp32 [M, K]) is staged per thread block in 1024-channel "
+        "tiles in padded shared memory (4·M·K bytes read per block, each shared read used for R rows); writes "
+        "4·M bytes per row", "DRAM: (K·b/8 + 2K/g)/M + 4 per output; L1: 4K/R per output")),
     "dequant_kernel": dict(threads=256, dyn_smem=0, pattern=(
         "one warp per row, a lane decodes one 32-code block per step and writes 64 B of fp16",
         "b/8 + 2/g read, 2 written")),
@@ -87,7 +87,7 @@ class GPU:
     bandwidth: float  # bytes/s (the figure the issue gives)
     clock: float  # boost clock, Hz
     latency: float = 600e-9  # loaded DRAM latency assumed for Little's law
-    l1_bytes_per_clock: int = 128  # L1 load bandwidth per SM (4 sectors of 32 B per clock)
+    l1_bytes_per_clock: int = 128  # L1 / shared-memory bandwidth per SM
     kernel_floor: float = 2.5e-6  # smallest time a dependent kernel takes (launch gap + ramp), queued ahead
 
 
@@ -111,10 +111,10 @@ def gemv_efficiency(gpu: GPU, regs: int, n: int, k: int, bits: float, m: int = 1
     inflight = warps_per_sm * lanes_busy * 4 * bits * r  # each lane loads one block (4·b bytes) per row and step
     need = gpu.bandwidth * gpu.latency / gpu.sms
     dram_per_clock = gpu.bandwidth / (gpu.sms * gpu.clock)
-    l1_need = dram_per_clock * (128 * m / r) / (4 * bits)  # fp32 x: 128·M bytes per R blocks of 4·b bytes
-    # lane l reads 16 B of x at 128·l + ...: every warp load touches 32 sectors and uses half of each
-    l1_useful = gpu.l1_bytes_per_clock / 2
-    return min(1.0, inflight / need), min(1.0, l1_useful / l1_need)
+    # fp32 x from shared memory: 128·M bytes per R blocks of 4·b weight bytes, read as conflict-free float4
+    # (padded tile), so all of the 128 B/clock are useful; staging adds 128·M bytes per 4 warps' blocks
+    smem_need = dram_per_clock * (128 * m / r + 128 * m / (4 * r)) / (4 * bits)
+    return min(1.0, inflight / need), min(1.0, gpu.l1_bytes_per_clock / smem_need)
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ def roofline_table(usages) -> str:
 
 def gemv_table(usages) -> str:
     out = ["| GPU | rows M | rows per warp | GEMV regs | occupancy | Little's law (N=4096, K=4096, 4-bit) "
-           "| L1 feed of x (fp32, half-used sectors) |", "|---|---|---|---|---|---|---|"]
+           "| shared-memory feed of x (fp32) |", "|---|---|---|---|---|---|---|"]
     for gpu in GPUS:
         for m, mr in ((1, 1), (2, 2), (4, 4), (8, 8)):
             u = next(u for u in usages if u.kernel == f"gemv_kernel<{mr}>" and u.arch == gpu.arch)
