@@ -124,18 +124,11 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype | None = None, device="cpu", progress=True,
-             tp: int | None = None, gpu_split=None, **parallel) -> "CausalLM":
-        """Load a Hugging Face or exl-quantized model folder.
+    def load(cls, path: str | Path, dtype: torch.dtype | None = None, device="cpu", progress=True) -> "CausalLM":
+        """Load a Hugging Face or exl-quantized model folder onto one device (exl.load_model is the public
+        entry: it also splits a model over several devices)."""
+        import exl.models  # noqa: F401  (registers the families)
 
-        tp=N (N ≥ 2) or gpu_split=[GiB, ...]: split it over several devices, one process each
-        (returns an exl.parallel.ParallelModel; see docs/parallel.md and `load_parallel`).
-        """
-        if (tp and tp > 1) or gpu_split:
-            from exl.parallel import load_parallel
-
-            return load_parallel(path, tp=tp, gpu_split=gpu_split, dtype=dtype, device=device, progress=progress,
-                                 **parallel)
         config = ModelConfig.from_dir(path)
         family = ARCHITECTURES.get(config.architecture)
         if family is None:
@@ -187,10 +180,3 @@ class CausalLM(nn.Module):
             logits = cap * torch.tanh(logits / cap)
         return logits
 
-
-def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu", progress=True,
-               **parallel) -> CausalLM:
-    """Load any supported model folder (dense or exl-quantized); tp=N splits it (CausalLM.load)."""
-    import exl.models  # noqa: F401  (registers the families)
-
-    return CausalLM.load(path, dtype, device, progress, **parallel)
