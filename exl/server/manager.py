@@ -239,7 +239,9 @@ class ModelManager:
         mode = options.get("cache_mode") or cfg.cache_mode
         try:
             tokenizer = Tokenizer.from_dir(folder)
-            model = exl.load_model(folder, device=cfg.device, tp=cfg.tp, gpu_split=cfg.gpu_split, progress=False)
+            parallel = cfg.tp > 1 or bool(cfg.gpu_split)
+            model = exl.load_model(folder, device=cfg.device if parallel else device, tp=cfg.tp,
+                                   gpu_split=cfg.gpu_split, progress=False)
             max_seq_len, cache_size = self._sizes(model.config.max_position_embeddings, options)
             draft_model = exl.load_model(draft_folder, device=device, progress=False) if draft_folder else None
             stack = GeneratorStack(
