@@ -25,9 +25,10 @@ def load_model(path: str | Path, *, device: str | None = None, dtype: torch.dtyp
     """Load a Hugging Face or exl-quantized model folder.
 
     device: a torch device (default: the CPU; the commands and the server pick cuda when a GPU is visible,
-    see pick_device). dtype: compute dtype (default: float16 on GPUs, float32 on the CPU). tp=N (N >= 2) or gpu_split=[GiB, ...] (or "8,12"): split the model over several
-    devices, one process each, and return an exl.parallel.ParallelModel, used like a single model (other
-    keywords, e.g. mode="expert" or shares=[...], go to exl.parallel.load_parallel; see docs/parallel.md).
+    see pick_device). dtype: compute dtype (default: float16 on GPUs, float32 on the CPU).
+    tp=N (N >= 2) or gpu_split=[GiB, ...] (or "8,12"): split the model over several devices, one process
+    each, and return an exl.parallel.ParallelModel, used like a single model; other keywords (mode="expert",
+    shares=[...], ...) go to exl.parallel.load_parallel (docs/parallel.md).
     """
     if (tp and tp > 1) or gpu_split:
         from exl.parallel import load_parallel
