@@ -170,3 +170,24 @@ def test_no_door_uses_the_contiguous_cache():
         text = (REPO / name).read_text()
         assert "KVCache" not in text and "cache.contiguous" not in text, name
         assert "def sample(" not in text, f"{name} has its own sampler"
+
+
+def test_simple_stops_at_the_context_and_frees_pages_when_abandoned(smol, tmp_path):
+    from test_models import make_model
+
+    from exl.simple import stream
+
+    _, path = make_model(tmp_path, "llama")  # max_position_embeddings 64, no tokenizer
+    tiny = exl.load_model(path, progress=False)
+    stats = Stats()
+    assert list(stream(tiny, None, list(range(1, 61)), 10, stats=stats)) == []
+    assert stats.stop_reason == "context_full" and stats.new_tokens == 4 and len(stats.token_ids) == 4
+    with pytest.raises(ValueError, match="fills the model's context"):
+        list(stream(tiny, None, list(range(1, 65)), 10))
+    # a caller that stops reading mid-way: the job is cancelled and its pages freed at once
+    model, tok = smol
+    gen = make_generator(model, tok, 512)
+    for _ in stream(model, tok, tok.encode(PROMPT), 50, generator=gen):
+        assert gen.cache.pages_in_use > 0
+        break
+    assert gen.cache.pages_in_use == 0 and not gen.num_running
