@@ -143,6 +143,7 @@ class CausalLM(nn.Module):
                 f"{Path(path) / 'config.json'}: architecture {config.architecture!r} is not supported. "
                 f"Supported: {', '.join(sorted(ARCHITECTURES))}.")
         dtype = dtype or (torch.float16 if torch.device(device).type == "cuda" else torch.float32)
+        require_kernels(config, dtype, device)
         model = family(config, TensorLoader(path), dtype, device, progress)
         model.path = Path(path)
         return model.eval()
@@ -186,6 +187,20 @@ class CausalLM(nn.Module):
         if cap:
             logits = cap * torch.tanh(logits / cap)
         return logits
+
+
+def require_kernels(config: ModelConfig, dtype: torch.dtype, device) -> None:
+    """Build (or load the cached) extension this model will run on, now: a build failure stops the load
+    with cuda_ext.ExtensionBuildError (what failed, the compiler's first error, how to fix it) instead of
+    a slow fallback. With EXL_NO_EXT=1 nothing is built and the reference path runs."""
+    import cuda_ext
+    from exl.modules import fused
+
+    kind = torch.device(device).type
+    if kind == "cuda" and config.quantization:
+        cuda_ext.cuda()
+    elif kind == "cpu" and (config.quantization or (dtype == torch.float32 and fused.enabled())):
+        cuda_ext.cpu()
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu", progress=True,
