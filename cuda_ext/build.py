@@ -407,7 +407,9 @@ def setup_extensions(with_cuda: bool | None = None) -> list:
         )
     ]
     if with_cuda is None:
-        with_cuda = CUDA_HOME is not None
+        import torch
+
+        with_cuda = CUDA_HOME is not None and torch.version.cuda is not None  # a CPU-only torch cannot link it
     if with_cuda:
         exts.append(
             CUDAExtension(

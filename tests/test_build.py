@@ -221,3 +221,17 @@ def test_loading_a_model_with_a_broken_compiler_fails_clearly(tmp_path, smollm_d
     ok = run_py(cmd, {**env, "EXL_NO_EXT": "1"})
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert ok.stdout.strip() and "compiling" not in ok.stderr
+
+
+def test_cuda_extension_links_and_imports_without_a_gpu():
+    """Under a CUDA build of torch with a toolkit present (CI's second torch), the CUDA kernels build through
+    the JIT path and import on a machine without a GPU."""
+    import shutil
+
+    if torch.version.cuda is None:
+        pytest.skip("this PyTorch is a CPU-only build")
+    if shutil.which("nvcc") is None and build.nvcc_path() is None:
+        pytest.skip("no CUDA toolkit (nvcc) here")
+    ext = build.load_cuda()
+    assert {"QuantLinearCUDA", "fwht", "kv_quantize", "kv_dequantize"} <= set(dir(ext))
+    assert build.status("cuda")["built"]
