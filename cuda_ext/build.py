@@ -437,4 +437,16 @@ def stamped_build_ext():
             names = CUDA_SOURCES if short == "_exl_cuda" else CPU_SOURCES
             write_stamp(library.with_name(f"{short}.{STAMP}"), setup_key(short, names, short == "_exl_cuda"), library)
 
+        def copy_extensions_to_source(self):  # --inplace / editable installs: the stamps travel with the libraries
+            super().copy_extensions_to_source()
+            for ext in self.extensions:
+                short, inplace = ext.name.rsplit(".", 1)[-1], self.inplace
+                self.inplace = 0
+                built = Path(self.get_ext_fullpath(ext.name)).with_name(f"{short}.{STAMP}")
+                self.inplace = 1
+                target = Path(self.get_ext_fullpath(ext.name)).with_name(f"{short}.{STAMP}")
+                self.inplace = inplace
+                if built.is_file() and built != target:
+                    shutil.copyfile(built, target)
+
     return StampedBuildExtension
