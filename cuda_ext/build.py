@@ -271,10 +271,12 @@ def _how_to_fix(cuda: bool) -> str:
     return "To fix:\n" + "\n".join(f"  - {f}" for f in fixes)
 
 
-def _jit(name: str, sources: list[Path], cuda: bool, verbose: bool = False):
-    """Import the cached build of `sources` for this environment, building it first if needed."""
-    cflags = [*cxx_flags(), *OPENMP_FLAGS]
-    ldflags = [*OPENMP_FLAGS]
+def _jit(name: str, sources: list, cuda: bool, verbose: bool = False, extra_cflags=(), extra_ldflags=()):
+    """Import the cached build of `sources` (paths, or names in csrc/) for this environment, building it first
+    if needed. Other builds (e.g. a test harness) pass their own extra flags and get the same key and stamp."""
+    sources = [CSRC / s for s in sources]  # a name joins csrc/; an absolute path stays itself
+    cflags = [*cxx_flags(), *OPENMP_FLAGS, *extra_cflags]
+    ldflags = [*OPENMP_FLAGS, *extra_ldflags]
     cuda_cflags = [*nvcc_flags()] if cuda else []
     key = build_key(name, sources, cuda, cflags, ldflags, cuda_cflags)
     build_dir = cache_root() / f"{name}_{key_digest(key)}"
