@@ -15,6 +15,8 @@ import pytest
 import torch
 from cuda_reference import LAYER_KEYS, check_forward, kv_reference, kv_unpack, random_layer
 
+pytestmark = pytest.mark.kernels  # CI runs these under the newest torch too (.ci/run)
+
 from exl import format as F
 
 SENTINEL = -12345.0
