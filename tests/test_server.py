@@ -117,6 +117,40 @@ def test_chat_greedy_matches_reference_with_logprobs(client, ref):
         assert tops[1] == pytest.approx(lp[k].topk(2).values[1].item(), abs=2e-2)
 
 
+def test_hostile_text_is_a_400_never_a_500(env, client):
+    h = {**env.headers(), "content-type": "application/json"}
+    cases = [("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "ab\\ud800c"}], "max_tokens": 2}',
+              "messages[0].content", 2),
+             ("/v1/completions", b'{"prompt": ["ok", "x\\udfffy"], "max_tokens": 2}', "prompt[1]", 1),
+             ("/v1/token/encode", b'{"text": "\\ud800"}', "text", 0)]
+    for path, body, where, at in cases:
+        r = httpx.post(env.url + path, headers=h, content=body)
+        assert r.status_code == 400, (path, r.text)
+        message = r.json()["error"]["message"]
+        assert where in message and f"at character {at}" in message and "surrogate" in message, message
+    # a high-low pair is fine
+    r = httpx.post(env.url + "/v1/token/encode", headers=h, content=b'{"text": "\\ud83d\\ude00"}')
+    assert r.status_code == 200 and r.json()["length"] >= 1
+    # a prompt far beyond the context is refused before it is tokenized (no tokenizer time or memory)
+    t0 = time.perf_counter()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smol", prompt="word " * 1_500_000, max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded" and "characters" in e.value.body["message"]
+    assert time.perf_counter() - t0 < 60  # tokenizing 7.5 MB would take ~10 s; sanity bound only
+    assert httpx.get(env.url + "/health").json()["status"] == "ok"
+
+
+def test_finish_reasons_are_openai_values_with_exl_reason_beside(env, client):
+    r = client.completions.create(model="smol", prompt="1, 2, 3,", temperature=0, max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].model_extra["exl_finish_reason"] == "max_new_tokens"
+    r = client.chat.completions.create(model="smol", messages=MESSAGES, temperature=0, max_tokens=200)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["exl_finish_reason"] == "stop_token"
+    chunks = list(client.completions.create(model="smol", prompt="1, 2, 3,", temperature=0, max_tokens=3,
+                                            stream=True, stop=[" 4"]))
+    last = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+    assert last.finish_reason == "stop" and last.model_extra["exl_finish_reason"] == "stop_string"
+
+
 def test_chat_stream_equals_non_stream(client):
     full = client.chat.completions.create(model="smol", messages=MESSAGES, temperature=0, max_tokens=12)
     chunks = list(client.chat.completions.create(model="smol", messages=MESSAGES, temperature=0, max_tokens=12,

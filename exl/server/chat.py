@@ -6,6 +6,7 @@ import json
 import secrets
 import time
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -151,7 +152,7 @@ class ChatRun:
         if self.tool_mode == "forced":
             self.prefill = tools.prefix(lm.tool_format)
             forced_schema = tools.call_schema(self.tool_dicts, lm.tool_format, forced_name)
-        self.ids = lm.tokenizer.encode(self.prompt + self.prefill, add_bos=False)
+        self.ids = engine.encode_prompt(lm, self.prompt + self.prefill, "messages", add_bos=False)
         requested = req.max_completion_tokens or req.max_tokens
         max_tokens = engine.max_new_tokens(req, len(self.ids), lm, config.sampling, requested)
         constraint = engine.constraint_for(req, lm, forced_schema)
@@ -181,7 +182,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     state = request.app.state
     arrival = time.perf_counter()
     lm = state.manager.require(req.model)
-    run = ChatRun(req, lm, state.config)
+    run = await anyio.to_thread.run_sync(ChatRun, req, lm, state.config)  # template + tokenizer: off the loop
     timing = Timing(state.metrics, arrival)
     events = engine.run_jobs(lm, run.jobs, state.metrics, timing)
     if req.stream:
@@ -197,7 +198,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         content, calls = run.split(r.text)
         choice = {"index": i, "message": {"role": "assistant", "content": content,
                                           "tool_calls": [c.as_dict() for c in calls] or None},
-                  "logprobs": None, "finish_reason": _finish(r.finish_reason, calls)}
+                  "logprobs": None, "finish_reason": _finish(r.finish_reason, calls),
+                  "exl_finish_reason": r.exl_finish_reason}
         if req.logprobs:
             choice["logprobs"] = {"content": token_logprobs(lm, r.token_ids, r.logprobs, r.top_logprobs, run.top_n)}
         if req.return_token_ids:
@@ -265,7 +267,8 @@ async def _stream(run: ChatRun, events, timing):
                     yield chunk([{"index": i, "delta": {"tool_calls": deltas}, "logprobs": None,
                                   "finish_reason": None}])
                 finish[i] = _finish(r.finish_reason, calls)
-                yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish[i]}])
+                yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish[i],
+                              "exl_finish_reason": r.exl_finish_reason}])
         use = run.usage(list(results.values()), timing)
         if include_usage:
             yield chunk([], use)

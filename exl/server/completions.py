@@ -6,6 +6,7 @@ import json
 import secrets
 import time
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -31,7 +32,7 @@ def _prompts(req: CompletionRequest, lm: LoadedModel) -> list[tuple[str | None, 
     out = []
     for k, item in enumerate(items):
         if isinstance(item, str):
-            ids = lm.tokenizer.encode(item)
+            ids = engine.encode_prompt(lm, item, "prompt" if isinstance(p, str) else f"prompt[{k}]")
             out.append((item, ids))
         else:
             if any(not 0 <= t < lm.vocab_limit for t in item):
@@ -99,7 +100,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     state = request.app.state
     arrival = time.perf_counter()
     lm = state.manager.require(req.model)
-    run = CompletionRun(req, lm, state.config)
+    run = await anyio.to_thread.run_sync(CompletionRun, req, lm, state.config)  # tokenizer: off the loop
     timing = Timing(state.metrics, arrival)
     events = engine.run_jobs(lm, run.jobs, state.metrics, timing)
     if req.stream:
@@ -114,6 +115,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
         r = results[s.index]
         echo = run.echo_text(s.index)
         choices.append({"index": s.index, "text": echo + r.text, "finish_reason": r.finish_reason or "stop",
+                        "exl_finish_reason": r.exl_finish_reason,
                         "logprobs": completion_logprobs(lm, r, run.top_n, len(echo)) if run.logprobs else None})
         if req.return_token_ids:
             choices[-1].update(token_ids=r.token_ids, prompt_token_ids=s.input_ids)
@@ -154,6 +156,8 @@ async def _stream(run: CompletionRun, events, timing):
             if event.text or logprobs or event.eos or (req.return_token_ids and event.token_ids):
                 c = {"index": i, "text": event.text or "", "logprobs": logprobs,
                      "finish_reason": (results[i].finish_reason or "stop") if event.eos else None}
+                if event.eos:
+                    c["exl_finish_reason"] = results[i].exl_finish_reason
                 if req.return_token_ids:
                     c["token_ids"] = list(event.token_ids or [])
                 yield chunk([c])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import anyio
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.security import APIKeyHeader, HTTPBearer
@@ -85,21 +86,24 @@ async def unload_model(request: Request):
 @user.post("/v1/token/encode", response_model=TokenEncodeResponse, tags=["tokens"], summary="Text to token ids")
 async def encode(req: TokenEncodeRequest, request: Request):
     lm = request.app.state.manager.require(None)
+    ids = await anyio.to_thread.run_sync(_encode, req, lm)
+    return {"tokens": ids, "length": len(ids)}
+
+
+def _encode(req: TokenEncodeRequest, lm) -> list[int]:
     tok = lm.tokenizer
     if isinstance(req.text, str):
-        ids = tok.encode(req.text, add_bos=req.add_bos_token, special=req.encode_special_tokens)
-    else:
-        from exl.tokenizer import ChatTemplateError
+        return tok.encode(req.text, add_bos=req.add_bos_token, special=req.encode_special_tokens)
+    from exl.tokenizer import ChatTemplateError
 
-        if not req.text:
-            raise bad_request("text: give a string or at least one message", "text")
-        try:
-            prompt = tok.apply_chat_template(template_messages(req.text), add_generation_prompt=req.add_generation_prompt,
-                                             template=lm.chat_template)
-        except ChatTemplateError as e:
-            raise bad_request(str(e), "text", code="chat_template_error") from None
-        ids = tok.encode(prompt, add_bos=False, special=True)
-    return {"tokens": ids, "length": len(ids)}
+    if not req.text:
+        raise bad_request("text: give a string or at least one message", "text")
+    try:
+        prompt = tok.apply_chat_template(template_messages(req.text), add_generation_prompt=req.add_generation_prompt,
+                                         template=lm.chat_template)
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "text", code="chat_template_error") from None
+    return tok.encode(prompt, add_bos=False, special=True)
 
 
 @user.post("/v1/token/decode", response_model=TokenDecodeResponse, tags=["tokens"], summary="Token ids to text")
@@ -108,7 +112,9 @@ async def decode(req: TokenDecodeRequest, request: Request):
     bad = [t for t in req.tokens if not 0 <= t < lm.tokenizer.vocab_size]
     if bad:
         raise bad_request(f"token ids must be in [0, {lm.tokenizer.vocab_size}), got {bad[:5]}", "tokens")
-    return {"text": lm.tokenizer.decode(req.tokens, skip_special=not req.decode_special_tokens)}
+    text = await anyio.to_thread.run_sync(lambda: lm.tokenizer.decode(req.tokens,
+                                                                       skip_special=not req.decode_special_tokens))
+    return {"text": text}
 
 
 @public.get("/health", response_model=Health, tags=["status"], summary="Liveness (no key needed)",
