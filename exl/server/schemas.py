@@ -318,11 +318,14 @@ class ChatCompletionChunk(_Body):
 
 
 class CompletionRequest(SamplingRequest):
+    max_tokens: int | None = Field(None, ge=0, description="tokens to generate at most (default: up to the context "
+                                   "limit); 0 generates nothing: with echo and logprobs, the prompt is only scored")
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="a prompt, several prompts, or token ids (one list or a list of lists)")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="return this many top log-probs "
                                  "per token (0: only the chosen token's)")
-    echo: bool = False
+    echo: bool = Field(False, description="put the prompt before the completion; with logprobs also the prompt "
+                       "tokens' log-probabilities (the first token's is null)")
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
