@@ -45,7 +45,7 @@ def env(smollm_dir, tmp_path_factory):
     (sneaky / "config.json").write_text((outside / "config.json").read_text())
     (sneaky / "model.safetensors").symlink_to(outside / "model.safetensors")
     server = Server(models, "smol", root, ["--max-seq-len", "1024", "--cache-size", "8192", "--max-batch-size", "16",
-                                           "--shutdown-timeout", "20"])
+                                           "--shutdown-grace", "20"])
     try:
         server.wait_ready()
         yield server

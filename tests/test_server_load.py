@@ -98,3 +98,70 @@ def test_pages_on_demand_16_requests_of_2000_tokens_on_an_8k_cache(tiny_root):
         _check_preemption(server, 2000)
     finally:
         server.stop()
+
+
+def test_sigterm_drains_then_ends_every_request_explicitly(tiny_root):
+    """SIGTERM with two requests running (one streamed, one not) and two queued: new requests get 503 at once;
+    after --shutdown-grace the stream ends with a final chunk (finish_reason "length", exl_finish_reason
+    "shutdown"), an error event and [DONE]; the non-streamed one returns what it has; the queued stream gets an
+    error event, the queued non-streamed request a 503; the process exits."""
+    import threading
+
+    server = start(tiny_root, "--max-batch-size", "2", "--shutdown-grace", "1", "--max-seq-len", "8192",
+                   "--cache-size", "16384")
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8000, "temperature": 1.0, "seed": 0,
+            "ignore_eos": True}  # (sampled: greedy, this random model repeats a special token that has no text)
+    out = {}
+
+    def stream(name):
+        with httpx.Client(timeout=120) as http:
+            with http.stream("POST", server.url + "/v1/completions", headers=server.headers(),
+                             json={**body, "stream": True, "return_token_ids": True}) as r:
+                out[name] = (r.status_code, [line[6:] for line in r.iter_lines() if line.startswith("data: ")])
+
+    def plain(name):
+        r = httpx.post(server.url + "/v1/completions", headers=server.headers(), json=body, timeout=120)
+        out[name] = (r.status_code, r.json())
+
+    def until(check, what):
+        deadline = time.time() + 60
+        while not check():
+            assert time.time() < deadline, what
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=f, args=(n,)) for f, n in ((stream, "run_s"), (plain, "run_p"))]
+    try:
+        for t in threads:
+            t.start()
+        until(lambda: server.metrics()["exl_num_requests_running"] == 2, "two requests running")
+        threads += [threading.Thread(target=f, args=(n,)) for f, n in ((stream, "wait_s"), (plain, "wait_p"))]
+        for t in threads[2:]:
+            t.start()
+        until(lambda: server.metrics()["exl_num_requests_waiting"] == 2, "two requests queued")
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        r = httpx.post(server.url + "/v1/completions", headers=server.headers(), json=body, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+        h = httpx.get(server.url + "/health", timeout=30)
+        assert h.status_code == 503 and h.json()["status"] == "shutting_down"
+        for t in threads:
+            t.join(120)
+        assert server.proc.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        server.stop()
+    status, lines = out["run_s"]
+    assert status == 200 and lines[-1] == "[DONE]"
+    error = json.loads(lines[-2])["error"]
+    assert error["code"] == "server_shutting_down" and error["type"] == "service_unavailable_error"
+    last = json.loads(lines[-3])["choices"][0]
+    assert last["finish_reason"] == "length" and last["exl_finish_reason"] == "shutdown"
+    assert sum(len(json.loads(x)["choices"][0]["token_ids"]) for x in lines[:-3]) > 0  # it streamed before the end
+    status, r = out["run_p"]
+    choice = r["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "length" and choice["exl_finish_reason"] == "shutdown"
+    assert 0 < r["usage"]["completion_tokens"] < 8000 and choice["text"]
+    status, lines = out["wait_s"]
+    assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "server_shutting_down"
+    status, r = out["wait_p"]
+    assert status == 503 and r["error"]["code"] == "server_shutting_down"
+    assert "shutdown grace over" in server.log()

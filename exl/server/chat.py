@@ -181,10 +181,11 @@ class ChatRun:
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     state = request.app.state
     arrival = time.perf_counter()
+    state.drain.check()
     lm = state.manager.require(req.model)
     run = await anyio.to_thread.run_sync(ChatRun, req, lm, state.config)  # template + tokenizer: off the loop
     timing = Timing(state.metrics, arrival)
-    events = engine.run_jobs(lm, run.jobs, state.metrics, timing)
+    events = engine.run_jobs(lm, run.jobs, state.metrics, timing, state.drain)
     if req.stream:
         return sse_response(_stream(run, events, timing), state.config)
     results = {i: ChoiceResult(i, prompt_tokens=len(run.ids)) for i in range(req.n)}
@@ -192,6 +193,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         await engine.collect(request, events, results)
     except ClientGone:
         return Response(status_code=499)
+    except APIError as e:  # shut down mid-way: what was generated, cut ("length", exl_finish_reason "shutdown")
+        if not engine.is_shutdown(e) or not any(r.token_ids for r in results.values()):
+            raise
+        engine.end_for_shutdown(results)
     choices = []
     for i in range(req.n):
         r = results[i]
@@ -276,4 +281,11 @@ async def _stream(run: ChatRun, events, timing):
                            [r.text for r in results.values()])
         yield "[DONE]"
     except APIError as e:
+        shutdown = engine.is_shutdown(e)
+        if shutdown:  # every open choice gets its end, then the error says why
+            for i in engine.end_for_shutdown(results):
+                yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": "length",
+                              "exl_finish_reason": "shutdown"}])
         yield json.dumps(e.body())
+        if shutdown:
+            yield "[DONE]"

@@ -166,11 +166,12 @@ class CompletionRun:
 async def completions(req: CompletionRequest, request: Request) -> Response:
     state = request.app.state
     arrival = time.perf_counter()
+    state.drain.check()
     lm = state.manager.require(req.model)
     run = await anyio.to_thread.run_sync(CompletionRun, req, lm, state.config)  # tokenizer: off the loop
     timing = Timing(state.metrics, arrival)
     await run.score_prompts()
-    events = engine.run_jobs(lm, run.jobs, state.metrics, timing)
+    events = engine.run_jobs(lm, run.jobs, state.metrics, timing, state.drain)
     if req.stream:
         return sse_response(_stream(run, events, timing), state.config)
     results = run.results()
@@ -178,6 +179,10 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
         await engine.collect(request, events, results)
     except ClientGone:
         return Response(status_code=499)
+    except APIError as e:  # shut down mid-way: what was generated, cut ("length", exl_finish_reason "shutdown")
+        if not engine.is_shutdown(e) or not any(r.token_ids for r in results.values()):
+            raise
+        engine.end_for_shutdown(results)
     choices = []
     for s in run.all_specs:
         r = results[s.index]
@@ -242,4 +247,11 @@ async def _stream(run: CompletionRun, events, timing):
                            [t for t, _ in run.prompts], [r.text for r in results.values()])
         yield "[DONE]"
     except APIError as e:
+        shutdown = engine.is_shutdown(e)
+        if shutdown:  # every open choice gets its end, then the error says why
+            for i in engine.end_for_shutdown(results):
+                yield chunk([{"index": i, "text": "", "logprobs": None, "finish_reason": "length",
+                              "exl_finish_reason": "shutdown"}])
         yield json.dumps(e.body())
+        if shutdown:
+            yield "[DONE]"

@@ -48,8 +48,8 @@ class NetworkConfig(_Section):
                                 "keys on first start", "api_tokens.yml")
     max_request_bytes: int = _opt("--max-request-bytes", "largest request body accepted (HTTP 413 above)",
                                   8 * 1024 * 1024, ge=1024)
-    shutdown_timeout: float = _opt("--shutdown-timeout", "on Ctrl-C / SIGTERM, seconds running requests get to "
-                                   "finish before they are cancelled", 10.0, ge=0)
+    shutdown_grace: float = _opt("--shutdown-grace", "on Ctrl-C / SIGTERM, seconds running requests get to "
+                                 "finish (new ones get 503) before they are ended with an error event", 30.0, ge=0)
     cors_origins: list[str] = _opt("--cors-origins", "browser origins allowed to call the API (e.g. "
                                    "http://localhost:3000; '*' for any); empty: no CORS headers", [])
 

@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 import anyio
 
+from exl.server.drain import SHUTTING_DOWN, shutting_down
 from exl.server.errors import APIError, bad_request
 from exl.server.manager import LoadedModel
 from exl.server.schemas import MAX_STOP, SamplingRequest
@@ -276,8 +277,10 @@ def make_jobs(lm: LoadedModel, specs: list[ChoiceSpec]) -> list:
     return jobs
 
 
-async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing") -> AsyncIterator[tuple]:
-    """Run jobs on the shared generator; yield (job identifier, event). Cancels every unfinished job on exit."""
+async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing", drain=None) -> AsyncIterator[tuple]:
+    """Run jobs on the shared generator; yield (job identifier, event). Cancels every unfinished job on exit.
+    drain (exl.server.drain.Drain): counts this request as running; when its shutdown grace is over, raises 503
+    `server_shutting_down`."""
     from exl.generator import AsyncJob
 
     if lm.async_generator is None or lm.jobs is None:
@@ -300,6 +303,8 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing") -> As
     tasks = []
     getter = None
     ended: set = set()
+    if drain is not None:
+        drain.enter()
     try:
         for job in jobs:
             index = job.identifier
@@ -315,7 +320,10 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing") -> As
             # Wait for the next event, but notice a generator whose worker thread died: jobs it had not picked
             # up yet would otherwise wait forever.
             getter = getter or asyncio.ensure_future(queue.get())
-            done, _ = await asyncio.wait({getter}, timeout=1.0)
+            done, _ = await asyncio.wait({getter}, timeout=0.25 if drain is not None and drain.draining else 1.0)
+            if drain is not None and drain.expired:
+                raise shutting_down("the server is shutting down: the shutdown grace period (network.shutdown_grace) "
+                                    "ended before this request finished")
             if not done:
                 dead = getattr(async_generator, "error", None)
                 if dead is not None:
@@ -365,6 +373,8 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing") -> As
                 task.cancel()
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
+            if drain is not None:
+                drain.leave()
 
 
 def _finished(async_job) -> bool:
@@ -385,6 +395,18 @@ def _generation_error(e: Exception) -> APIError:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # collecting, usage
+
+
+def is_shutdown(e: Exception) -> bool:
+    return isinstance(e, APIError) and e.code == SHUTTING_DOWN
+
+
+def end_for_shutdown(results: dict) -> list[int]:
+    """Mark every unfinished choice as cut by the shutdown; returns their indices."""
+    cut = [i for i, r in results.items() if r.finish_reason is None]
+    for i in cut:
+        results[i].finish_reason, results[i].exl_finish_reason = "length", "shutdown"
+    return cut
 
 
 class ClientGone(Exception):

@@ -72,6 +72,7 @@ async def get_model(request: Request):
 @admin.post("/v1/model/load", response_model=ModelCard, tags=["admin"],
             summary="Load a model from the model directory (unloads the current one)")
 async def load_model(req: ModelLoadRequest, request: Request):
+    request.app.state.drain.check()
     options = req.model_dump(exclude={"name"}, exclude_none=True)
     loaded = await request.app.state.manager.load(req.name, **options)
     return ModelCard(**loaded.card())
@@ -121,6 +122,9 @@ async def decode(req: TokenDecodeRequest, request: Request):
             responses={503: {"model": Health}})
 async def health(request: Request):
     manager = request.app.state.manager
+    if request.app.state.drain.draining:
+        return JSONResponse(Health(status="shutting_down", model=getattr(manager.current, "name", None))
+                            .model_dump(), status_code=503)
     if manager.loading:
         return Health(status="loading", model=manager.loading)
     current = manager.current

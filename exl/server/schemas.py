@@ -424,7 +424,7 @@ class TokenDecodeResponse(_Body):
 
 
 class Health(_Body):
-    status: Literal["ok", "loading", "no_model", "unhealthy"]
+    status: Literal["ok", "loading", "no_model", "unhealthy", "shutting_down"]
     model: str | None = None
     detail: str | None = None
 
