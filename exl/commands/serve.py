@@ -95,7 +95,9 @@ def run(args) -> int:
         log.warning("authentication is DISABLED (--disable-auth): %s can generate and load/unload models. Use this "
                     "only on a trusted LAN.", where)
     elif keys.created:
-        print(f"exl serve: new API keys written to {net.api_tokens_file} (shown only this once):\n"
+        from exl.server.auth import tokens_path
+
+        print(f"exl serve: new API keys written to {tokens_path(net)} (shown only this once):\n"
               f"  api_key:   {keys.api_key}\n  admin_key: {keys.admin_key}", file=sys.stderr, flush=True)
     if config.model.name:
         from exl.errors import ExlError

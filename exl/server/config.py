@@ -44,8 +44,9 @@ class NetworkConfig(_Section):
     disable_auth: bool = _opt("--disable-auth", "accept requests without a key (only on a trusted LAN!)", False)
     api_key: str | None = _opt("--api-key", "the user key (overrides api_tokens.yml; for scripts and tests)")
     admin_key: str | None = _opt("--admin-key", "the admin key for model load/unload (overrides api_tokens.yml)")
-    api_tokens_file: str = _opt("--api-tokens-file", "YAML file with api_key and admin_key; created with random "
-                                "keys on first start", "api_tokens.yml")
+    api_tokens_file: str | None = _opt("--api-tokens-file", "YAML file with api_key and admin_key, created (mode "
+                                       "0600) with random keys on first start; default: $XDG_CONFIG_HOME/exl/"
+                                       "api_tokens.yml (~/.config/exl/api_tokens.yml)")
     max_request_bytes: int = _opt("--max-request-bytes", "largest request body accepted (HTTP 413 above)",
                                   8 * 1024 * 1024, ge=1024)
     shutdown_grace: float = _opt("--shutdown-grace", "on Ctrl-C / SIGTERM, seconds running requests get to "
