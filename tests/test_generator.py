@@ -179,21 +179,47 @@ def test_cancel_frees_pages(small):
 
 
 def test_full_cache_queues_and_completes_every_job(small):
-    cache = PagedCache(small, num_pages=6, page_size=8)  # 48 tokens: two jobs of <= 24 at a time
+    """Pages are taken as jobs grow: many jobs start at once on a small cache; when it runs out, the newest are
+    preempted (pages back, tokens kept) and go on later. Every job ends as it would alone."""
+    cache = PagedCache(small, num_pages=8, page_size=8)  # 64 tokens; each job keeps up to 10 + 14 - 1 = 3 pages
     gen = Generator(small, cache, None, max_batch_size=8)
     ps = prompts([10, 11, 9, 5, 10], seed=4)
-    jobs = [Job(p, max_new_tokens=14, sampler=GREEDY) for p in ps]  # keeps <= 10 + 14 - 1 tokens: 3 pages
+    jobs = [Job(p, max_new_tokens=14, sampler=GREEDY, return_logprobs=True) for p in ps]
     gen.enqueue(jobs)
-    most = 0
+    most, preempted, events = 0, 0, {}
     while gen.has_work():
-        gen.iterate()
+        for e in gen.iterate():
+            events.setdefault(e.job, []).append(e)
         most = max(most, gen.num_running)
+        preempted = max(preempted, gen.num_preempted)
         assert cache.pages_in_use <= cache.num_pages
-    assert most == 2
+    assert most >= 3 and preempted >= 1 and gen.stats["preemptions"] >= 1  # (reserving whole jobs: 2 at a time)
     for j, p in zip(jobs, ps):
-        assert j.eos_reason == "max_new_tokens" and j.generated == reference_greedy(small, p, 14)[0]
-    with pytest.raises(CacheCapacityError, match="holds 48"):
-        gen.enqueue(Job(list(range(40)), max_new_tokens=10))
+        want, want_lp = reference_greedy(small, p, 14)
+        assert j.eos_reason == "max_new_tokens" and j.generated == want
+        assert [t for e in events[j] for t in e.token_ids] == want  # every token reported once, in order
+        got_lp = [lp for e in events[j] for lp in e.logprobs]
+        assert torch.allclose(torch.tensor(got_lp), torch.tensor(want_lp), atol=1e-4)
+    assert cache.pages_in_use == 0 and cache.reserved == 0
+    with pytest.raises(CacheCapacityError, match="holds 64"):
+        gen.enqueue(Job(list(range(60)), max_new_tokens=10))
+
+
+def test_preemption_many_jobs_small_cache_equal_each_alone(small):
+    """16 jobs whose whole lengths need 2x the cache: all start in the first step and all finish with the
+    tokens each makes alone (greedy), with prefix reuse, chunked prefill and a draft-free batch."""
+    cache = PagedCache(small, num_pages=24, page_size=8)  # 192 tokens
+    gen = Generator(small, cache, None, max_batch_size=16, max_chunk_size=64)
+    ps = prompts([3, 4, 2, 5] * 4, seed=9)
+    jobs = [Job(p, max_new_tokens=20, sampler=GREEDY) for p in ps]  # 16 x ~24 tokens = 2x the cache
+    gen.enqueue(jobs)
+    gen.iterate()
+    assert gen.num_running == 16 and all(len(j.generated) == 1 for j in jobs)  # one prefill round started all
+    run_all(gen)
+    assert gen.stats["preemptions"] > 0
+    for j, p in zip(jobs, ps):
+        assert j.eos_reason == "max_new_tokens" and j.generated == reference_greedy(small, p, 20)[0]
+    assert cache.pages_in_use == 0 and cache.reserved == 0
 
 
 def test_bad_jobs_are_rejected(small):
