@@ -318,7 +318,7 @@ def main(argv=None) -> int:
            "loadavg_start": load_start}
     try:
         with ExitStack() as stack:
-            log(f"starting exl serve and llama_cpp.server ({args.threads} threads each; logs in {workdir})")
+            log(f"starting exl serve and llama_cpp.server ({args.threads} thread(s) each; logs in {workdir})")
             exl_server, llama = start_servers(stack, exl_dir, gguf, args.threads, plan, workdir, args.ready_timeout)
             import llama_cpp
 
@@ -349,7 +349,7 @@ def main(argv=None) -> int:
     res["seconds"] = time.time() - started
     rows, table = targets_table(res, args.threads)
     res["targets"] = rows
-    print(f"\nexl serve vs llama-cpp-python {res['llama_cpp_python']} server, {args.threads} threads each, "
+    print(f"\nexl serve vs llama-cpp-python {res['llama_cpp_python']} server, {args.threads} thread(s) each, "
           f"same client and prompts; load average {_load(load_start)} at start, {_load(res['loadavg_end'])} at end "
           f"({os.cpu_count()} CPUs); {res['seconds']:.0f} s{' (--quick)' if args.quick else ''}\n")
     print(table)
