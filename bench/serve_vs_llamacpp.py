@@ -13,7 +13,7 @@ no token ids), greedy, a fixed output length (`ignore_eos` for exl, `min_tokens`
 
 Scenarios:
   (a) single stream, 128 new tokens: each server's decode rate ((tokens - 1) / time after the first),
-      beside `exl bench` tg128 (exl.benchmark's generator job, in this process, same threads); rounds
+      beside `exl bench` tg128 (exl.benchmark's generator job, in a worker process, same threads); rounds
       interleave the three so that they share the machine's state;
   (b) time to first token of a 200-token prompt, one request at a time, the two servers alternating;
   (c) output throughput with 8 and 32 requests in flight (llama-cpp-python serves one at a time).
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import secrets
 import signal
@@ -179,19 +180,55 @@ def check(results: list, name: str) -> None:
         raise RuntimeError(f"{name}: {len(bad)} request(s) failed: {bad[:3]}")
 
 
-def decode_scenario(exl, llama, model, plan: Plan, prompts: list[str], log) -> dict:
-    """(a) rounds of one `exl bench` tg job, one exl serve request and one llama.cpp request, rotated."""
+def _bench_worker(conn, exl_dir: str, threads: int, tokens: int) -> None:
+    """`exl bench`'s tg job (exl.benchmark through the generator) on request, in its own session like the
+    servers, so that the scheduler (autogroups) treats the three contenders alike."""
+    os.setsid()
+    import torch
+
+    import exl
     from exl import benchmark
 
-    gen = benchmark.make_generator(model, 0, plan.decode_tokens)
-    benchmark.time_generation(gen, plan.decode_tokens, seed=0)  # warm-up
+    torch.set_num_threads(threads)
+    gen = benchmark.make_generator(exl.load_model(exl_dir, progress=False), 0, tokens)
+    benchmark.time_generation(gen, tokens, seed=0)  # warm-up
+    conn.send("ready")
+    while (seed := conn.recv()) is not None:
+        conn.send(benchmark.time_generation(gen, tokens, seed=seed))
+
+
+def start_bench(stack: ExitStack, exl_dir: Path, threads: int, tokens: int):
+    """A process running `_bench_worker`; send a seed, receive tok/s."""
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_bench_worker, args=(child, str(exl_dir), threads, tokens), daemon=True)
+    proc.start()
+
+    def stop():
+        try:
+            conn.send(None)
+        except OSError:
+            pass
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    stack.callback(stop)
+    if conn.recv() != "ready":
+        raise RuntimeError("the exl bench worker did not start")
+    return conn
+
+
+def decode_scenario(exl, llama, bench_conn, plan: Plan, prompts: list[str], log) -> dict:
+    """(a) rounds of one `exl bench` tg job, one exl serve request and one llama.cpp request, rotated."""
     bench, results = [], {"exl": [], "llamacpp": []}
     for r in range(plan.rounds):
         order = ["bench", "exl", "llamacpp"]
         order = order[r % 3:] + order[:r % 3]
         for who in order:
             if who == "bench":
-                bench.append(benchmark.time_generation(gen, plan.decode_tokens, seed=r + 1))
+                bench_conn.send(r + 1)
+                bench.append(bench_conn.recv())
             else:
                 res, _ = requests(exl if who == "exl" else llama, [prompts[r]], plan.decode_tokens, 1)
                 check(res, who)
@@ -295,13 +332,9 @@ def main(argv=None) -> int:
     plan = QUICK if args.quick else FULL
     plan = Plan(**{**plan.__dict__, **{k: v for k, v in (("rounds", args.rounds), ("waves", args.waves)) if v}})
 
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch starts its thread pool
-    import torch
-
-    import exl
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # for the servers and the bench worker
     from vs_llamacpp import prepare
 
-    torch.set_num_threads(args.threads)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     exl_dir, gguf = (Path(args.exl).resolve(), Path(args.gguf).resolve()) if args.exl else prepare(args.bits)
     load_start = os.getloadavg()
@@ -326,10 +359,9 @@ def main(argv=None) -> int:
             for s in (exl_server, llama):  # warm-up: the first request of a server pays for lazy setup
                 check(requests(s, [warmup], 8, 1)[0], s.name)
             res["prompt_tokens"] = _prompt_tokens(exl_server, llama, ttft_prompts[0])
-            model = exl.load_model(exl_dir, progress=False)
+            bench_conn = start_bench(stack, exl_dir, args.threads, plan.decode_tokens)
             log(f"(a) single stream, {plan.decode_tokens} tokens, {plan.rounds} rounds")
-            res["decode"] = decode_scenario(exl_server, llama, model, plan, decode_prompts, log)
-            del model
+            res["decode"] = decode_scenario(exl_server, llama, bench_conn, plan, decode_prompts, log)
             log(f"(b) TTFT, {plan.ttft_prompt}-token prompts, {plan.ttft_requests} per server")
             res["ttft"] = ttft_scenario(exl_server, llama, plan, ttft_prompts, log)
             res["concurrency"] = {}
