@@ -168,10 +168,15 @@ def start_servers(stack: ExitStack, exl_dir: Path, gguf: Path, threads: int, pla
     return exl, llama
 
 
-def requests(server: Server, prompts: list[str], output_len: int, concurrency: int) -> tuple[list, float]:
+def requests(server: Server, prompts: list[str], output_len: int, concurrency: int,
+             prompt_len: int = 0) -> tuple[list, float]:
+    """Run the prompts against `server`; a server that reports no usage is credited `prompt_len` input tokens."""
     model = serve.server_model(server.url, server.headers)["id"]
-    return asyncio.run(serve.run_benchmark(server.url, server.headers, model, prompts, output_len, concurrency,
-                                           quiet=True))
+    results, duration = asyncio.run(serve.run_benchmark(server.url, server.headers, model, prompts, output_len,
+                                                        concurrency, quiet=True))
+    for r in results:
+        r.prompt_tokens = r.prompt_tokens or prompt_len
+    return results, duration
 
 
 def check(results: list, name: str) -> None:
@@ -230,7 +235,8 @@ def decode_scenario(exl, llama, bench_conn, plan: Plan, prompts: list[str], log)
                 bench_conn.send(r + 1)
                 bench.append(bench_conn.recv())
             else:
-                res, _ = requests(exl if who == "exl" else llama, [prompts[r]], plan.decode_tokens, 1)
+                res, _ = requests(exl if who == "exl" else llama, [prompts[r]], plan.decode_tokens, 1,
+                                  plan.decode_prompt)
                 check(res, who)
                 results[who] += res
         log(f"  round {r + 1}/{plan.rounds}: exl bench {bench[-1]:.1f}, exl serve {results['exl'][-1].decode_rate:.1f}, "
@@ -247,7 +253,7 @@ def ttft_scenario(exl, llama, plan: Plan, prompts: list[str], log) -> dict:
     results = {"exl": [], "llamacpp": []}
     for i, p in enumerate(prompts):
         for who in (("exl", "llamacpp") if i % 2 == 0 else ("llamacpp", "exl")):
-            res, _ = requests(exl if who == "exl" else llama, [p], 8, 1)
+            res, _ = requests(exl if who == "exl" else llama, [p], 8, 1, plan.ttft_prompt)
             check(res, who)
             results[who] += res
     out = {}
@@ -261,7 +267,8 @@ def concurrency_scenario(exl, llama, plan: Plan, concurrency: int, prompts: list
     """(c) `len(prompts)` requests, `concurrency` in flight, one server after the other."""
     out = {}
     for who in ((first, "llamacpp" if first == "exl" else "exl")):
-        res, duration = requests(exl if who == "exl" else llama, prompts, plan.conc_tokens, concurrency)
+        res, duration = requests(exl if who == "exl" else llama, prompts, plan.conc_tokens, concurrency,
+                                 plan.conc_prompt)
         check(res, who)
         out[who] = serve.summarize(res, duration, plan.conc_tokens)
         log(f"  concurrency {concurrency}, {who}: {out[who]['output_throughput']:.1f} output tok/s "
