@@ -443,6 +443,7 @@ class PagedContext(AttentionContext):
 
     def __init__(self, cache: PagedCache, segments: list[tuple[PageTable, int]]):
         self.cache = cache
+        self.tables = [t for t, _ in segments]
         ps = cache.page_size
         pos, slots, self.segments = [], [], []
         offset = 0
@@ -459,6 +460,27 @@ class PagedContext(AttentionContext):
         super().__init__(torch.from_numpy(np.concatenate(pos)).to(device)[None])
         self.slots = torch.from_numpy(np.concatenate(slots)).to(device)
         self._masks: dict = {}
+
+    def decode_batch(self):
+        """One new token of every sequence over a float32 store: the one-call decode step's paged view
+        (AttentionContext.decode_batch)."""
+        if "_decode_batch" not in self.__dict__:
+            self._decode_batch = self._make_decode_batch()
+        return self._decode_batch
+
+    def _make_decode_batch(self):
+        c = self.cache
+        if type(c.k) is not FloatStore or type(c.v) is not FloatStore or c.k.data.dtype is not torch.float32 \
+                or c.v.data.dtype is not torch.float32 or c.device.type != "cpu":
+            return None
+        if any(n != 1 for _, n, _, _ in self.segments):
+            return None
+        tables = self.tables
+        pages = np.zeros((len(tables), max(len(t.pages) for t in tables)), dtype=np.int64)
+        for i, t in enumerate(tables):
+            pages[i, : len(t.pages)] = t.pages
+        lengths = np.fromiter((s + 1 for _, _, s, _ in self.segments), dtype=np.int64, count=len(tables))
+        return c.k.data, c.v.data, torch.from_numpy(pages), torch.from_numpy(lengths), c.page_size
 
     def _mask(self, i: int, window: int | None, runs):
         """Boolean [n, kept keys] for segment i; None when every query sees every kept key; "causal" for a
@@ -481,7 +503,10 @@ class PagedContext(AttentionContext):
     def _batch(self) -> "_Batched | None":
         """This forward pass's batched group (built on first use, from `segments` alone); None if too few qualify."""
         if "_batched" not in self.__dict__:
-            self._batched = _Batched.build(self.segments, self.cache.device)
+            c = self.cache  # one decode row over a float32 store also goes through the in-place C++ op
+            in_place = fused.enabled() and c.device.type == "cpu" and type(c.k) is FloatStore \
+                and c.k.data.dtype is torch.float32
+            self._batched = _Batched.build(self.segments, self.cache.device, single=in_place)
         return self._batched
 
     def attend(self, layer, q, k, v, *, scale, window=None, softcap=None):
@@ -531,10 +556,11 @@ class _Batched:
         self._bufs = None
 
     @staticmethod
-    def build(segments, device) -> "_Batched | None":
+    def build(segments, device, single: bool = False) -> "_Batched | None":
+        """single: a group of one decode row is worth it too (the in-place C++ op serves it)."""
         members = [i for i, (_, n, start, _) in enumerate(segments)
                    if n <= BATCHED_MAX_QUERIES and start + n <= BATCHED_MAX_KEYS]
-        if len(members) < 2:
+        if len(members) < 2 and not (single and len(members) == 1 and segments[members[0]][1] == 1):
             return None
         g, nq = len(members), max(segments[i][1] for i in members)
         L = max(segments[i][1] + segments[i][2] for i in members)
