@@ -186,7 +186,9 @@ def hadamard_matrix(n: int, dtype=torch.float64) -> torch.Tensor:
 
 
 def dequantize(t: dict[str, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
-    """Reconstruct the dense W [N, K] of a quantized layer given its tensors by suffix."""
+    """Reconstruct the dense W [N, K] of a quantized layer (scalar- or trellis-coded) given its tensors by suffix."""
+    if is_trellis(t):
+        return _dequantize_trellis(t, dtype)
     segments = segments_from_meta(t["qmeta"])
     q = dequantize_codes(unpack_codes(t["qweight"], segments), t["qscale"], segments, torch.float64)
     n, k = q.shape
@@ -203,7 +205,9 @@ def dequantize(t: dict[str, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
 
 
 def reference_forward(x: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The five forward steps of docs/format.md §1.4 in plain PyTorch (fp32 accumulation)."""
+    """The five forward steps of docs/format.md §1.4 (§7.5 for trellis layers) in plain PyTorch (fp32 accumulation)."""
+    if is_trellis(t):
+        return _reference_forward_trellis(x, t)
     segments = segments_from_meta(t["qmeta"])
     q = dequantize_codes(unpack_codes(t["qweight"], segments), t["qscale"], segments, torch.float32)
     k = q.shape[1]
@@ -221,11 +225,14 @@ def reference_forward(x: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tens
 
 
 def storage_bits(t: dict[str, torch.Tensor]) -> int:
-    """Stored bits of a quantized layer (docs/format.md §2): everything but the bias."""
-    return sum(8 * t[s].numel() * t[s].element_size() for s in QUANT_SUFFIXES if s in t)
+    """Stored bits of a quantized layer (docs/format.md §2, §7.6): everything but the bias."""
+    suffixes = TRELLIS_SUFFIXES if is_trellis(t) else QUANT_SUFFIXES
+    return sum(8 * t[s].numel() * t[s].element_size() for s in suffixes if s in t)
 
 
 def layer_shape(t: dict[str, torch.Tensor]) -> tuple[int, int]:
+    if is_trellis(t):
+        return t["trellis"].shape[0] * TILE, t["trellis"].shape[1] * TILE
     return t["qweight"].shape[0], int(t["qmeta"][:, 0].sum())
 
 
@@ -236,3 +243,149 @@ def bits_per_weight(t: dict[str, torch.Tensor]) -> float:
 
 def perm_dtype(k: int) -> torch.dtype:
     return torch.int16 if k <= 32767 else torch.int32
+
+
+# ---------------------------------------------------------------------------------------------
+# Trellis-coded layers (docs/format.md §7, format version 2)
+
+TRELLIS_VERSION = 1
+TILE = 16  # a tile is 16 output channels x 16 input channels = 256 weights, one trellis walk
+TILE_WEIGHTS = TILE * TILE
+TRELLIS_SUFFIXES = ("trellis", "tscale", "tmeta", "su", "sv")
+CODE_LCG_BYTESUM = 1  # the only computed code so far (§7.3)
+CODE_CENTRE = 510  # 4 bytes of 0..255 sum to 0..1020; the centre makes the code symmetric
+
+
+@dataclass(frozen=True)
+class TrellisMeta:
+    """The contents of `P.tmeta` (int32 [6]): version, bits per weight, state bits, code id, code constants."""
+
+    bits: int  # K: bits per weight, 1..8
+    state_bits: int = 16  # L: bits of trellis state, max(8, K)..16
+    mul: int = 0x2C6FE96B  # A: odd multiplier of the code's LCG (stored as int32 bits)
+    add: int = 0x1B873593  # B: addend of the code's LCG
+    code: int = CODE_LCG_BYTESUM
+    version: int = TRELLIS_VERSION
+
+    def __post_init__(self):
+        if not 1 <= self.bits <= 8:
+            raise ValueError(f"trellis bits must be in 1..8, got {self.bits}")
+        if not max(8, self.bits) <= self.state_bits <= 16:
+            raise ValueError(f"trellis state bits must be in {max(8, self.bits)}..16, got {self.state_bits}")
+        if self.code != CODE_LCG_BYTESUM:
+            raise ValueError(f"unknown trellis code id {self.code}")
+        if self.version != TRELLIS_VERSION:
+            raise ValueError(f"trellis layout version {self.version} is not supported (this exl reads "
+                             f"{TRELLIS_VERSION}); update exl")
+        if not self.mul & 1:
+            raise ValueError("the trellis code multiplier must be odd")
+
+    @property
+    def words_per_tile(self) -> int:
+        """32-bit words of one tile's bit stream: 256·K bits."""
+        return TILE_WEIGHTS * self.bits // 32
+
+    def to_tensor(self) -> torch.Tensor:
+        vals = [self.version, self.bits, self.state_bits, self.code, self.mul, self.add]
+        return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in vals], dtype=torch.int32)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "TrellisMeta":
+        v = [int(x) & 0xFFFFFFFF for x in t.tolist()]
+        if len(v) != 6:
+            raise ValueError(f"tmeta must hold 6 int32 values, got {len(v)}")
+        version, bits, state_bits, code, mul, add = v
+        return cls(bits, state_bits, mul, add, code, version)
+
+
+def is_trellis(t: dict) -> bool:
+    """Whether a layer's tensors (by suffix) are trellis-coded (else scalar-coded, §1)."""
+    return "trellis" in t
+
+
+def trellis_code(states: torch.Tensor, meta: TrellisMeta) -> torch.Tensor:
+    """The computed code (§7.3): state s -> integer value in [-510, 510].
+
+    x = (A·s + B) mod 2^32, value = byte0(x) + byte1(x) + byte2(x) + byte3(x) − 510.
+    A sum of four near-uniform bytes is close to Gaussian (σ ≈ 147.8), which suits rotated weights.
+    """
+    x = (states.to(torch.int64) * meta.mul + meta.add) & 0xFFFFFFFF
+    return ((x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24) - CODE_CENTRE).to(torch.int32)
+
+
+def trellis_codebook(meta: TrellisMeta) -> torch.Tensor:
+    """Values of all 2^L states (int32 [2^L]): what a kernel computes, tabulated for the reference."""
+    return trellis_code(torch.arange(2**meta.state_bits), meta)
+
+
+def trellis_states(words: torch.Tensor, meta: TrellisMeta) -> torch.Tensor:
+    """Unpack tile bit streams into the state of every weight.
+
+    words: int32 [..., 8·K] (one tile's stream, LSB-first) -> int64 [..., 256] states, where
+    s_t = Σ_{q<L} bit((t·K + q) mod 256K) · 2^q (a circular, tail-biting stream).
+    """
+    k, L = meta.bits, meta.state_bits
+    shape = words.shape[:-1]
+    w = words.to(torch.int64).reshape(-1, words.shape[-1]) & 0xFFFFFFFF
+    bits = ((w.unsqueeze(-1) >> torch.arange(32)) & 1).reshape(w.shape[0], -1)  # [T, 256K], bit m at m
+    pos = (torch.arange(TILE_WEIGHTS).unsqueeze(1) * k + torch.arange(L)) % (TILE_WEIGHTS * k)  # [256, L]
+    states = (bits[:, pos] << torch.arange(L)).sum(-1)
+    return states.reshape(*shape, TILE_WEIGHTS)
+
+
+def trellis_pack(states: torch.Tensor, meta: TrellisMeta) -> torch.Tensor:
+    """Inverse of trellis_states for a valid walk: int [..., 256] states -> int32 [..., 8·K] words.
+
+    Chunk t of the stream (bits t·K .. t·K+K−1) is the low K bits of s_t. The walk must be consistent:
+    s_{t+1} = (s_t >> K) | (new bits << (L − K)), circularly; a ValueError says where it is not.
+    """
+    k = meta.bits
+    s = states.to(torch.int64)
+    chunks = s & (2**k - 1)  # [..., 256]
+    bits = ((chunks.unsqueeze(-1) >> torch.arange(k)) & 1).reshape(*s.shape[:-1], TILE_WEIGHTS * k)
+    words = (bits.reshape(*s.shape[:-1], -1, 32) << torch.arange(32)).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    if not torch.equal(trellis_states(words, meta), s):
+        bad = (trellis_states(words, meta) != s).nonzero()[0].tolist()
+        raise ValueError(f"states are not a valid trellis walk (first mismatch at index {bad})")
+    return words
+
+
+def trellis_tiles_to_matrix(tiles: torch.Tensor) -> torch.Tensor:
+    """[N/16, K/16, 256] tile values (weight t at row t mod 16, column t div 16) -> [N, K]."""
+    nt, kt, _ = tiles.shape
+    return tiles.view(nt, kt, TILE, TILE).permute(0, 3, 1, 2).reshape(nt * TILE, kt * TILE)
+
+
+def trellis_matrix_to_tiles(q: torch.Tensor) -> torch.Tensor:
+    """Inverse of trellis_tiles_to_matrix: [N, K] -> [N/16, K/16, 256]."""
+    n, k = q.shape
+    if n % TILE or k % TILE:
+        raise ValueError(f"a trellis-coded matrix needs N and K multiples of {TILE}, got {n}x{k}")
+    return q.reshape(n // TILE, TILE, k // TILE, TILE).permute(0, 2, 3, 1).reshape(n // TILE, k // TILE, TILE_WEIGHTS)
+
+
+def trellis_decode(t: dict[str, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
+    """The rotated matrix Q̂ [N, K] = tscale[n] · code(state) of a trellis layer (before un-rotation)."""
+    meta = TrellisMeta.from_tensor(t["tmeta"])
+    values = trellis_code(trellis_states(t["trellis"], meta), meta)
+    q = trellis_tiles_to_matrix(values).to(torch.float64)
+    return (q * t["tscale"].to(torch.float64)[:, None]).to(dtype)
+
+
+def _dequantize_trellis(t: dict[str, torch.Tensor], dtype) -> torch.Tensor:
+    q = trellis_decode(t, torch.float64)
+    n, k = q.shape
+    w = fwht(q) * unpack_signs(t["su"], k, torch.float64)  # Ŵ = H_N D_v W D_u H_K, both sides always
+    w = unpack_signs(t["sv"], n, torch.float64)[:, None] * fwht(w.T).T
+    return w.to(dtype)
+
+
+def _reference_forward_trellis(x: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    q = trellis_decode(t, torch.float32)
+    n, k = q.shape
+    u = fwht(x.to(torch.float32) * unpack_signs(t["su"], k))
+    z = fwht(u @ q.T) * unpack_signs(t["sv"], n)
+    if "bias" in t:
+        z = z + t["bias"].to(torch.float32)
+    return z.to(x.dtype)

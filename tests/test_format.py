@@ -91,3 +91,65 @@ def test_bits_per_weight_accounting():
     # 4 bits per code + one fp16 scale per 128 weights + 12 bytes of qmeta
     assert F.storage_bits(t) == 64 * 128 * 4 + 64 * 16 + 3 * 32
     assert abs(F.bits_per_weight(t) - (4 + 16 / 128 + 96 / (64 * 128))) < 1e-12
+
+
+# -- trellis-coded layers (§7) ------------------------------------------------------------------
+
+
+def _random_trellis(n=32, k=48, bits=3, state_bits=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    meta = F.TrellisMeta(bits=bits, state_bits=state_bits)
+    words = torch.randint(-2**31, 2**31 - 1, (n // 16, k // 16, meta.words_per_tile), generator=g).to(torch.int32)
+    return meta, {"trellis": words, "tscale": (torch.rand(n, generator=g) / 100).half(), "tmeta": meta.to_tensor(),
+                  "su": F.pack_signs(torch.randn(k, generator=g).sign()),
+                  "sv": F.pack_signs(torch.randn(n, generator=g).sign())}
+
+
+@pytest.mark.parametrize("bits,state_bits", [(1, 8), (2, 16), (3, 12), (4, 16), (8, 8), (8, 16)])
+def test_trellis_states_follow_the_spec_and_pack_back(bits, state_bits):
+    meta, t = _random_trellis(bits=bits, state_bits=state_bits)
+    words = t["trellis"]
+    states = F.trellis_states(words, meta)
+    w = words[1, 2].to(torch.int64) & 0xFFFFFFFF
+    stream = [(int(w[m // 32]) >> (m % 32)) & 1 for m in range(256 * bits)]
+    for tt in (0, 1, 17, 255):  # the window definition of §7.2, bit by bit, wrapping around
+        want = sum(stream[(tt * bits + q) % (256 * bits)] << q for q in range(state_bits))
+        assert int(states[1, 2, tt]) == want
+    nxt = (states[..., :-1] >> bits) == (states[..., 1:] & (2 ** (state_bits - bits) - 1))
+    assert nxt.all()  # consecutive states overlap in L - K bits
+    assert torch.equal(F.trellis_pack(states, meta), words)
+
+
+def test_trellis_pack_rejects_an_inconsistent_walk():
+    meta, t = _random_trellis()
+    states = F.trellis_states(t["trellis"], meta).clone()
+    states[0, 0, 5] ^= 1 << 11
+    with pytest.raises(ValueError, match="not a valid trellis walk"):
+        F.trellis_pack(states, meta)
+
+
+def test_trellis_code_is_a_centred_near_gaussian():
+    cb = F.trellis_codebook(F.TrellisMeta(bits=2, state_bits=16)).double()
+    assert abs(cb.mean()) < 2 and 140 < cb.std() < 156 and cb.abs().max() <= 510
+    x = (12345 * 0x2C6FE96B + 0x1B873593) & 0xFFFFFFFF
+    assert int(cb[12345]) == sum((x >> s) & 255 for s in (0, 8, 16, 24)) - 510
+
+
+def test_trellis_tile_order_is_column_major():
+    q = torch.arange(32 * 48).view(32, 48)
+    tiles = F.trellis_matrix_to_tiles(q)
+    assert int(tiles[1, 2, 3 * 16 + 5]) == int(q[16 + 5, 32 + 3])
+    assert torch.equal(F.trellis_tiles_to_matrix(tiles), q)
+
+
+def test_trellis_dequantize_forward_and_bits():
+    meta, t = _random_trellis(n=32, k=48, bits=3)
+    w = F.dequantize(t, torch.float64)
+    q = F.trellis_decode(t, torch.float64)
+    hk, hn = F.hadamard_matrix(48), F.hadamard_matrix(32)
+    du, dv = torch.diag(F.unpack_signs(t["su"], 48, torch.float64)), torch.diag(F.unpack_signs(t["sv"], 32, torch.float64))
+    torch.testing.assert_close(hn @ dv @ w @ du @ hk, q)  # Ŵ = H_N D_v W D_u H_K (§7.4)
+    x = torch.randn(3, 48)
+    torch.testing.assert_close(F.reference_forward(x, t), (x.double() @ w.T).float(), atol=1e-4, rtol=1e-4)
+    assert F.storage_bits(t) == 8 * (32 * 48 * 3 // 8 + 32 * 2 + 24 + 6 + 4)
+    assert F.layer_shape(t) == (32, 48)
