@@ -214,3 +214,19 @@ def test_decode_step_on_smollm2(smollm_dir, ext):
     model._step = False
     want = decode_logits(model, prompts, steps=4, page_size=16)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["default", "yarn", "llama3"])
+def test_rope_rows_from_the_table_equal_the_computed_ones(kind):
+    """Decode steps take cos/sin rows from a cached table (grown on demand): the same values as computing them."""
+    from exl.config import RopeConfig
+    from exl.modules.rope import RotaryEmbedding
+
+    cfg = RopeConfig(type=kind, factor=4.0, original_max_position_embeddings=16) if kind != "default" else RopeConfig()
+    rope = RotaryEmbedding(cfg, 64, 4096)
+    for pos in ([[0, 5, 1023]], [[1024, 3000, 4095]]):  # the second grows the table
+        pos = torch.tensor(pos)
+        got = rope.cos_sin(pos, torch.float32)
+        want = RotaryEmbedding(cfg, 64, 4096).cos_sin(torch.cat([pos, torch.zeros(1, 70, dtype=torch.long)], 1),
+                                                      torch.float32)  # 73 positions: computed
+        assert torch.equal(got[0], want[0][:, :3]) and torch.equal(got[1], want[1][:, :3])

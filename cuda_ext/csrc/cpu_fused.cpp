@@ -309,31 +309,24 @@ EXL_INLINE void attend_group(const float* q, int64_t g, const float* keys, const
   attend_rows<D>(q, g, keys, values, n, [ld](int64_t j) { return j * ld; }, d, scale, softcap, s, out, qs, os);
 }
 
-// Keys of positions lo .. lo + n - 1 in a paged store: position p at slot pages[p / ps] * ps + p % ps.
+// Key j at row offset offs[j] (a paged store: each kept position's slot times the head dim).
 template <int D>
-EXL_INLINE void attend_pages(const float* q, int64_t g, const float* keys, const float* values, int64_t n,
-                             const int64_t* pages, int64_t ps, int64_t lo, int64_t d, float scale, float softcap,
-                             float* s, float* out, int64_t qs, int64_t os) {
-  const int64_t dd = D > 0 ? D : d;
-  attend_rows<D>(
-      q, g, keys, values, n,
-      [=](int64_t j) {
-        const int64_t p = lo + j;
-        return (pages[p / ps] * ps + p % ps) * dd;
-      },
-      d, scale, softcap, s, out, qs, os);
+EXL_INLINE void attend_offsets(const float* q, int64_t g, const float* keys, const float* values, int64_t n,
+                               const int64_t* offs, int64_t d, float scale, float softcap, float* s, float* out,
+                               int64_t qs, int64_t os) {
+  attend_rows<D>(q, g, keys, values, n, [offs](int64_t j) { return offs[j]; }, d, scale, softcap, s, out, qs, os);
 }
 
 using AttendFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t, float, float,
                           float*, float*, int64_t, int64_t);
-using AttendPagesFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, const int64_t*, int64_t,
-                               int64_t, int64_t, float, float, float*, float*, int64_t, int64_t);
+using AttendOffsetsFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, const int64_t*, int64_t,
+                                 float, float, float*, float*, int64_t, int64_t);
 using ActMulFn = void (*)(const float*, const float*, float*, int64_t);
 
 struct Kernels {
   const char* name;
   AttendFn attend;
-  AttendPagesFn attend_pages;
+  AttendOffsetsFn attend_offsets;
   ActMulFn silu_mul, gelu_tanh_mul, gelu_mul, relu_mul;
 };
 
@@ -347,15 +340,15 @@ struct Kernels {
     else                                                                                                        \
       attend_group<0>(q, g, k, v, n, ld, d, scale, softcap, s, out, qs, os);                                    \
   }                                                                                                             \
-  ATTR void attend_pages_##NAME(const float* q, int64_t g, const float* k, const float* v, int64_t n,          \
-                                const int64_t* pages, int64_t ps, int64_t lo, int64_t d, float scale,           \
-                                float softcap, float* s, float* out, int64_t qs, int64_t os) {                  \
+  ATTR void attend_offsets_##NAME(const float* q, int64_t g, const float* k, const float* v, int64_t n,        \
+                                  const int64_t* offs, int64_t d, float scale, float softcap, float* s,         \
+                                  float* out, int64_t qs, int64_t os) {                                         \
     if (d == 64)                                                                                                \
-      attend_pages<64>(q, g, k, v, n, pages, ps, lo, d, scale, softcap, s, out, qs, os);                        \
+      attend_offsets<64>(q, g, k, v, n, offs, d, scale, softcap, s, out, qs, os);                               \
     else if (d == 128)                                                                                          \
-      attend_pages<128>(q, g, k, v, n, pages, ps, lo, d, scale, softcap, s, out, qs, os);                       \
+      attend_offsets<128>(q, g, k, v, n, offs, d, scale, softcap, s, out, qs, os);                              \
     else                                                                                                        \
-      attend_pages<0>(q, g, k, v, n, pages, ps, lo, d, scale, softcap, s, out, qs, os);                         \
+      attend_offsets<0>(q, g, k, v, n, offs, d, scale, softcap, s, out, qs, os);                                \
   }                                                                                                             \
   ATTR void silu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<Silu>(g, u, o, n); } \
   ATTR void gelu_tanh_mul_##NAME(const float* g, const float* u, float* o, int64_t n) {                         \
@@ -363,7 +356,7 @@ struct Kernels {
   }                                                                                                             \
   ATTR void gelu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<GeluErf>(g, u, o, n); } \
   ATTR void relu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<Relu>(g, u, o, n); } \
-  const Kernels k##NAME = {#NAME, attend_##NAME, attend_pages_##NAME, silu_mul_##NAME, gelu_tanh_mul_##NAME, gelu_mul_##NAME, relu_mul_##NAME};
+  const Kernels k##NAME = {#NAME, attend_##NAME, attend_offsets_##NAME, silu_mul_##NAME, gelu_tanh_mul_##NAME, gelu_mul_##NAME, relu_mul_##NAME};
 
 KERNEL_TABLE(scalar, )
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -561,7 +554,7 @@ at::Tensor paged_step_attention(const at::Tensor& q, const at::Tensor& k, const 
                   j, " is ", pp[i * P + j], ", out of range [0, ", n_pages, ")");
     total += pl[i];
   }
-  const AttendPagesFn fn = kernels("auto", op)->attend_pages;
+  const Kernels* kern = kernels("auto", op);
   float* kd = k_store.data_ptr<float>();
   float* vd = v_store.data_ptr<float>();
   const float* pk = k.data_ptr<float>();
@@ -573,6 +566,18 @@ at::Tensor paged_step_attention(const at::Tensor& q, const at::Tensor& k, const 
       std::copy(pv + (i * hk + h) * d, pv + (i * hk + h + 1) * d, vd + (h * n_slots + slot) * d);
     }
   }
+  // Row offsets of every kept key (shared by the kv heads), walking each page table once.
+  std::vector<int64_t> first(b + 1, 0), offs;
+  offs.reserve(total);
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, pl[i] - window) : 0;
+    for (int64_t p = lo; p < pl[i];) {
+      const int64_t start = p / page_size * page_size, end = std::min(pl[i], start + page_size);
+      const int64_t shift = pp[i * P + p / page_size] * page_size - start;  // slot of position p: shift + p
+      for (; p < end; ++p) offs.push_back((shift + p) * d);
+    }
+    first[i + 1] = int64_t(offs.size());
+  }
   at::Tensor out = at::empty({b, hq, d}, q.options());
   const float* pq = q.data_ptr<float>();
   float* po = out.data_ptr<float>();
@@ -583,12 +588,16 @@ at::Tensor paged_step_attention(const at::Tensor& q, const at::Tensor& k, const 
   at::parallel_for(0, b * hk, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> s;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t bi = i / hk, h = i % hk;
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, pl[bi] - window) : 0, n = pl[bi] - lo;
+      const int64_t bi = i / hk, h = i % hk, n = first[bi + 1] - first[bi];
       s.resize(g * n);
       const int64_t off = (bi * hq + h * g) * d;
-      fn(pq + off, g, kd + h * n_slots * d, vd + h * n_slots * d, n, pp + bi * P, page_size, lo, d, sc, cap,
-         s.data(), po + off, d, d);
+      const int64_t* o = offs.data() + first[bi];
+      const float* kh = kd + h * n_slots * d;
+      const float* vh = vd + h * n_slots * d;
+      if (o[n - 1] - o[0] == (n - 1) * d)  // one run of consecutive slots (pages allocated in a row): plain rows
+        kern->attend(pq + off, g, kh + o[0], vh + o[0], n, d, d, sc, cap, s.data(), po + off, d, d);
+      else
+        kern->attend_offsets(pq + off, g, kh, vh, n, o, d, sc, cap, s.data(), po + off, d, d);
     }
   });
   return out;
