@@ -7,7 +7,8 @@ The module holds only the stored tensors (`qweight`, `qscale`, `qmeta` and the o
 - the CPU extension for float32 inputs on the CPU: a fused GEMV with int8-quantized activations
   for fewer than `gemm_min_rows` rows (or exact fp32 when `exact=True`; either reads the packed
   weights once for up to 16 rows), and tile-wise dequant + BLAS GEMM for more;
-- `exl.format.reference_forward` when no extension can be built (warned once by cuda_ext).
+- `exl.format.reference_forward` only when asked for (EXL_NO_EXT=1). An extension that cannot be
+  built raises cuda_ext.ExtensionBuildError; a device without exl kernels raises ExlError.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import torch
 
 from exl import format as F
+from exl.errors import ExlError
 
 REQUIRED = ("qweight", "qscale", "qmeta")
 OPTIONAL = ("perm", "su", "sv", "bias")
@@ -85,14 +87,17 @@ class QuantLinear(torch.nn.Module):
         t = self.tensors()
         device = t["qweight"].device
         args = [t["qweight"], t["qscale"], t["qmeta"], t.get("perm"), t.get("su"), t.get("sv"), t.get("bias")]
+        if cuda_ext.reference_only():
+            return None
         if device.type == "cuda":
-            ext = cuda_ext.cuda()
-            return ext.QuantLinearCUDA(*args) if ext else None
-        ext = cuda_ext.cpu() if device.type == "cpu" else None
-        return ext.QuantLinearCPU(*args) if ext else None
+            return cuda_ext.cuda().QuantLinearCUDA(*args)
+        if device.type == "cpu":
+            return cuda_ext.cpu().QuantLinearCPU(*args)
+        raise ExlError(f"QuantLinear: exl has no kernels for device '{device.type}' (CPU and CUDA only); "
+                       f"set EXL_NO_EXT=1 to run the slow plain-PyTorch reference path there on purpose")
 
     def kernel(self):
-        """The extension's layer object for the buffers' device, or None (reference path)."""
+        """The extension's layer object for the buffers' device, or None (reference path, EXL_NO_EXT=1)."""
         if self._kernel is None:
             self._kernel = self._build_kernel() or False
         return self._kernel or None
