@@ -24,6 +24,13 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def cpu_step(self, ext):
+        """This layer in the one-call decode step (exl.modules.fused.step): float32 CPU weights only."""
+        w = self.weight
+        if w.dtype is not torch.float32 or w.device.type != "cpu":
+            return None
+        return ext.LinearStep.dense(w, self.bias)
+
 
 def is_quantized(loader: TensorLoader, prefix: str) -> bool:
     return f"{prefix}.qweight" in loader

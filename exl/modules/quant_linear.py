@@ -102,6 +102,11 @@ class QuantLinear(torch.nn.Module):
             self._kernel = self._build_kernel() or False
         return self._kernel or None
 
+    def cpu_step(self, ext):
+        """This layer in the one-call decode step (exl.modules.fused.step), or None without a CPU kernel."""
+        k = self.kernel() if self.qweight.device.type == "cpu" else None
+        return None if k is None else ext.LinearStep.quant(k, self.gemm_min_rows, self.exact)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self._kernel  # hot path: one attribute read, then straight into C++
         if k is None:

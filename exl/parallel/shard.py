@@ -156,6 +156,8 @@ class ParallelMoE(SparseMoE):
     """Routed experts spread over ranks: every rank routes all tokens, runs the experts it holds
     (whole experts, or its channel slice of every expert), and one all-reduce sums the outputs."""
 
+    cpu_step = None  # the all-reduce is no part of the one-call decode step: these blocks run one by one
+
     def __init__(self, moe: SparseMoE, comm: Comm):
         super().__init__(moe.router, list(moe.experts), moe.top_k, moe.normalize, moe.shared, moe.shared_gate)
         self.comm = comm
