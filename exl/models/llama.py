@@ -11,7 +11,7 @@ from exl.cache.contiguous import KVCacheContext
 from exl.models.base import Builder, CausalLM, register
 from exl.modules import fused
 from exl.modules.mlp import GatedMLP
-from exl.modules.quant_linear import QuantLinear
+from exl.modules.quant_linear import KernelLinear
 
 
 class DecoderBlock(nn.Module):
@@ -73,7 +73,7 @@ class Llama(CausalLM):
                        getattr(m, "down", None)]
             if (type(block) is not DecoderBlock or type(m) is not GatedMLP or m.act_kind is None or a.rope is not rope
                     or block.attn_norm.eps != block.mlp_norm.eps
-                    or not all(isinstance(q, QuantLinear) and q.kernel() is not None for q in linears)
+                    or not all(isinstance(q, KernelLinear) and q.kernel() is not None for q in linears)
                     or {(q.gemm_min_rows, q.exact) for q in linears} != {(a.q_proj.gemm_min_rows, a.q_proj.exact)}):
                 return False
             stack.add_block(a.layer, block.attn_norm.weight, block.mlp_norm.weight, block.attn_norm.eps,
