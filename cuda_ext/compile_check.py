@@ -1,7 +1,7 @@
 """Compile-only check of the CUDA sources: `python -m cuda_ext.compile_check`.
 
 Compiles every csrc/*.cu with nvcc for sm_80, sm_86, sm_89 and sm_90 (those this nvcc supports)
-and syntax-checks the CUDA bindings (cuda_ops.cpp) with the host compiler against torch's headers.
+and syntax-checks the CUDA bindings (cuda_ops.cpp, cuda_trellis_ops.cpp) with the host compiler against torch's headers.
 Needs no GPU. Exits non-zero on any error (and, with --require-nvcc, when nvcc is missing; without
 it a machine with no CUDA toolkit skips the check); CI runs it.
 """
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             stub.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
             incs.append(str(Path(tmp) / "stub"))
         cxx = os.environ.get("CXX", "c++")
-        for src in ["cuda_ops.cpp"]:
+        for src in ["cuda_ops.cpp", "cuda_trellis_ops.cpp"]:
             cmd = [cxx, "-fsyntax-only", *CXX_FLAGS, "-DTORCH_EXTENSION_NAME=exl_cuda", "-DTORCH_API_INCLUDE_EXTENSION_H",
                    *[f"-I{i}" for i in incs], str(CSRC / src)]
             ok &= run(cmd, f"{src} (host syntax)")

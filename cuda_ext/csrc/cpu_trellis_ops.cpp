@@ -16,12 +16,14 @@ namespace py = pybind11;
 namespace exl {
 namespace cpu {
 
+// The trellis table for an instruction-set name (as the Kernels tables are named). The AVX-512 one
+// also needs VBMI; where it is missing, that name uses the AVX-VNNI or AVX2 trellis kernels.
 const TrellisKernels* trellis_named(const std::string& isa_name) {
   const std::string name = kernels_named(isa_name)->name;  // resolves "auto" and checks availability
   if (name == "avx512vnni" && avx512vnni_trellis()) return avx512vnni_trellis();
   if (name == "avxvnni" && avxvnni_trellis()) return avxvnni_trellis();
-  if (name == "avx2" && avx2_trellis()) return avx2_trellis();
-  TORCH_CHECK(name == "scalar", "exl TrellisLinear: no trellis kernels for instruction set '", name, "'");
+  if (name == "avx512vnni" && avxvnni_trellis() && __builtin_cpu_supports("avxvnni")) return avxvnni_trellis();
+  if ((name == "avx512vnni" || name == "avxvnni" || name == "avx2") && avx2_trellis()) return avx2_trellis();
   return scalar_trellis();
 }
 

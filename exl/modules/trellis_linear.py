@@ -8,10 +8,10 @@ The module holds only the stored tensors (`trellis`, `tscale`, `tmeta`, `su`, `s
   (fewer than `gemm_min_rows` rows), else tile decode into a cache-sized block + BLAS GEMM, then
   y = D_v (H z) + bias. Each row's result is bit for bit the same at any batch size below
   `gemm_min_rows` (the GEMV's per-row arithmetic does not depend on the other rows);
+- on a GPU, float16: the CUDA extension's TrellisLinearCUDA (decode-and-dot GEMV up to 8 rows,
+  tile dequantization + cuBLAS above; compile-checked, not yet run on a GPU);
 - `exl.format.reference_forward` when the user asked for the reference path (EXL_NO_EXT=1) or no
   extension can be built (warned once by cuda_ext).
-
-There are no CUDA trellis kernels yet: a trellis layer on a GPU raises, unless EXL_NO_EXT=1.
 """
 
 from __future__ import annotations
@@ -54,11 +54,9 @@ class TrellisLinear(KernelLinear):
         return f"{super().extra_repr()}, trellis K={self.meta.bits} L={self.meta.state_bits}"
 
     def _make_kernel(self, ext, device):
-        if device.type == "cuda":
-            raise NotImplementedError("TrellisLinear: there are no CUDA kernels for trellis-coded layers yet; "
-                                      "run the model on the CPU, or set EXL_NO_EXT=1 for the (slow) reference path")
-        if not hasattr(ext, "TrellisLinearCPU"):
-            raise RuntimeError("TrellisLinear: the installed exl CPU extension predates trellis layers; rebuild it "
-                               "(`EXL_BUILD_EXT=1 pip install .`, or remove the prebuilt cuda_ext/_exl_cpu*.so)")
+        cls = "TrellisLinearCUDA" if device.type == "cuda" else "TrellisLinearCPU"
+        if not hasattr(ext, cls):
+            raise RuntimeError(f"TrellisLinear: the installed exl extension has no {cls} (it predates trellis layers); "
+                               "rebuild it (`EXL_BUILD_EXT=1 pip install .`, or remove the prebuilt cuda_ext/_exl_*.so)")
         t = self.tensors()
-        return ext.TrellisLinearCPU(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], t.get("bias"))
+        return getattr(ext, cls)(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], t.get("bias"))
