@@ -95,17 +95,18 @@ def test_forward_matches_reference_for_rows_and_prefill(ext, bits):
         check(k.forward(x[:20], "fp32", 32, False), x[:20], t)  # more than 16 rows through the GEMV
 
 
-def test_batch_invariance_every_row_count_below_gemm_min_rows(ext):
+@pytest.mark.parametrize("exact", [True, False])
+def test_batch_invariance_every_row_count_below_gemm_min_rows(ext, exact):
     t = random_trellis(96, 160, 3, 16, seed=7)
     x = torch.randn(31, 160, generator=torch.Generator().manual_seed(3))
     for isa in isas():
         k = kernel(ext, t, isa)
-        full = k.forward(x, "auto", 32, False)
+        full = k.forward(x, "auto", 32, exact)
         for rows in range(1, 31):
-            part = k.forward(x[:rows], "auto", 32, False)
+            part = k.forward(x[:rows], "auto", 32, exact)
             assert torch.equal(part, full[:rows]), f"isa={isa}: {rows} rows differ from the same rows among 31"
         # and a row's bits do not depend on its neighbours
-        assert torch.equal(k.forward(x[5:6], "auto", 32, False), full[5:6])
+        assert torch.equal(k.forward(x[5:6], "auto", 32, exact), full[5:6])
 
 
 def test_isas_agree_and_threads_do_not_change_bits(ext):
@@ -136,12 +137,50 @@ def test_bad_tensors_are_named(ext):
     with pytest.raises(RuntimeError, match="in_features=32"):
         k.forward(torch.randn(2, 48), "auto", 32, False)
     with pytest.raises(RuntimeError, match="unknown path"):
-        k.forward(torch.randn(2, 32), "int8", 32, False)
+        k.forward(torch.randn(2, 32), "q4", 32, False)
+    t = random_trellis(32, 48, 2)
+    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+        kernel(ext, t).forward(torch.randn(2, 48), "int8", 32, False)
+
+
+def int8_check(y, x, t):
+    """The int8-activation GEMV: within the activation-rounding bound of test_kernels.py plus the fp32 one."""
+    exact, c = exact_and_scale(x, t)
+    q = F.trellis_decode(t, torch.float64)
+    n, k = q.shape
+    u = F.fwht(x.double() * F.unpack_signs(t["su"], k, torch.float64))
+    step = (u.view(u.shape[0], k // 32, 32).abs().amax(-1) / 127).repeat_interleave(32, dim=1)
+    e = ((0.5 * 1.001 * step) @ q.abs().T) @ F.hadamard_matrix(n).abs().T
+    bound = e + 4 * U * (math.sqrt(k) + 8) * c + 1e-30
+    err = (y.double() - exact).abs()
+    assert bool((err <= bound).all()), f"max err {float(err.max()):.3e}, ratio to bound {float((err / bound).max()):.2f}"
+    rel = float((y.double() - exact).norm() / exact.norm())
+    assert rel < 0.02, f"relative RMS error {rel:.4f} of the int8 path"
+
+
+@pytest.mark.parametrize("bits", [1, 3, 4, 8])
+def test_int8_gemv_is_within_its_bound_and_the_same_bits_on_every_table(ext, bits):
+    t = random_trellis(64, 128, bits, 16 if bits == 3 else 12, seed=40 + bits, bias=False)
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(bits))
+    with_int8 = [isa for isa in isas() if kernel(ext, t, isa).has_int8]
+    assert "scalar" in with_int8
+    outs = {}
+    for isa in with_int8:
+        k = kernel(ext, t, isa)
+        full = k.forward(x, "int8", 48, False)
+        int8_check(full, x, t)
+        for rows in (1, 2, 3, 7, 9):
+            assert torch.equal(k.forward(x[:rows], "int8", 48, False), full[:rows]), f"{isa}: {rows} rows"
+        outs[isa] = full
+    for isa, y in outs.items():
+        assert torch.equal(y, outs["scalar"]), f"int8 GEMV of {isa} differs from the scalar table's"
+    assert torch.equal(kernel(ext, t).forward(x[:3], "auto", 48, False),
+                       kernel(ext, t).forward(x[:3], "int8" if kernel(ext, t).has_int8 else "fp32", 48, False))
 
 
 def test_module_forward_equals_reference(ext):
     t = random_trellis(80, 112, 3, 12, seed=5)
-    m = TrellisLinear(t)
+    m = TrellisLinear(t, exact=True)
     assert m.kernel() is not None and m.in_features == 112 and m.out_features == 80
     assert abs(m.bits_per_weight - F.bits_per_weight(t)) < 1e-12
     for shape in ((1, 1, 112), (2, 3, 112), (50, 112)):
@@ -161,7 +200,7 @@ def test_module_reference_path_when_asked(monkeypatch):
     t = random_trellis(32, 48, 2, 9, seed=2)
     monkeypatch.setattr(cuda_ext, "_cache", {})
     monkeypatch.setenv("EXL_NO_EXT", "1")
-    m = TrellisLinear(t)
+    m = TrellisLinear(t, exact=True)
     x = torch.randn(3, 48)
     assert m.kernel() is None
     assert torch.equal(m(x), F.reference_forward(x, t))

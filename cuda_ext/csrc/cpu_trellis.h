@@ -29,6 +29,15 @@ struct TrellisKernels {
   // out[k * ldo + (n - 16*i0)] = value(n, k) (exact small integers as fp32), for the outputs n of
   // tile rows [i0, i1) and every k: the transposed block a GEMM multiplies with.
   void (*decode)(const TrellisLayer&, int64_t i0, int64_t i1, float* out, int64_t ldo);
+  // The GEMV with int8 activations (quantized per 32 channels as the scalar layers' int8 path, K a
+  // multiple of 32): qq [M, K] each int8 activation repeated in the 4 bytes of an int32, d [M, K/32]
+  // the steps, bsum [M, K/32] the sums of the int8 values per block. Per output and block of 32
+  // channels the sum of (value + 510) * q is exact in int32 (one vpdpbusd of x = A s + B's bytes
+  // against q per column: the byte sum and the product in one instruction); minus 510 * bsum,
+  // converted, times d, it is added in fp32 block after block (order k = 0, 32, ...), then scaled.
+  // Bit for bit the same on every table that has it (nullptr: none, use gemv).
+  void (*gemv_q8)(const TrellisLayer&, const int32_t* qq, const float* d, const int32_t* bsum, int64_t M, float* y,
+                  int64_t ldy, int64_t i0, int64_t i1);
 };
 
 const TrellisKernels* scalar_trellis();

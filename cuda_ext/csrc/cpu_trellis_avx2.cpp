@@ -13,7 +13,7 @@ namespace cpu {
 namespace {
 namespace t_avx2 {
 #include "cpu_trellis_simd.inc"
-const TrellisKernels kTable = {"avx2", gemv, decode};
+const TrellisKernels kTable = {"avx2", gemv, decode, nullptr};
 }  // namespace t_avx2
 }  // namespace
 const TrellisKernels* avx2_trellis() { return &t_avx2::kTable; }
@@ -32,7 +32,7 @@ namespace cpu {
 namespace {
 namespace t_avxvnni {
 #include "cpu_trellis_simd.inc"
-const TrellisKernels kTable = {"avxvnni", gemv, decode};
+const TrellisKernels kTable = {"avxvnni", gemv, decode, nullptr};
 }  // namespace t_avxvnni
 }  // namespace
 const TrellisKernels* avxvnni_trellis() { return &t_avxvnni::kTable; }

@@ -82,15 +82,20 @@ EXL_TINLINE void load_tile(const uint32_t* w, __m512i* z) {
   }
 }
 
-// Values of column c of the tile in z (lane r: output 16i + r), as fp32. FULL: L = 16 (the byte
-// mask of the window cut leaves exactly the state; else one AND keeps its L bits).
+// States of column c (lane r: output 16i + r): the 16 windows. FULL: L = 16, the byte mask of the
+// window cut leaves exactly the state; else one AND keeps its L bits.
 template <int KB, bool FULL>
-EXL_TINLINE __m512 column(const __m512i* z, int c, const Consts& k) {
+EXL_TINLINE __m512i states(const __m512i* z, int c, const Consts& k) {
   const Plan<KB>& P = kPlan<KB>;
   const __m512i src = _mm512_permutex2var_epi32(z[P.r1[c]], _mm512_load_si512(P.idx[c]), z[P.r2[c]]);
-  __m512i s = _mm512_maskz_multishift_epi64_epi8(__mmask64(0x3333333333333333ull), _mm512_load_si512(P.ctl[c]), src);
-  if (!FULL) s = _mm512_and_si512(s, k.mask);
-  const __m512i x = _mm512_add_epi32(_mm512_mullo_epi32(s, k.mul), k.add);
+  const __m512i s = _mm512_maskz_multishift_epi64_epi8(__mmask64(0x3333333333333333ull), _mm512_load_si512(P.ctl[c]), src);
+  return FULL ? s : _mm512_and_si512(s, k.mask);
+}
+
+// Values of column c as fp32.
+template <int KB, bool FULL>
+EXL_TINLINE __m512 column(const __m512i* z, int c, const Consts& k) {
+  const __m512i x = _mm512_add_epi32(_mm512_mullo_epi32(states<KB, FULL>(z, c, k), k.mul), k.add);
   return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_dpbusd_epi32(k.magic, x, k.ones)), k.offset);
 }
 
@@ -176,6 +181,107 @@ void decode_l(const TrellisLayer& T, int64_t i0, int64_t i1, float* out, int64_t
   else decode_k<KB, false>(T, i0, i1, out, ldo);
 }
 
+// int8 activations (see TrellisKernels::gemv_q8): per column, x = A s + B and then one vpdpbusd per
+// row, x's bytes against the row's int8 activation repeated 4x: the byte sum and the product in one.
+template <int KB, bool FULL, int MR, int TR>
+void tile_rows_q8(const TrellisLayer& T, const int32_t* qq, const float* d, const int32_t* bsum, int64_t M, float* y,
+                  int64_t ldy, int64_t i) {
+  constexpr int tw = 8 * KB, nr = Plan<KB>::kRegs;
+  const int64_t kt = T.K / kTile, nb = T.K / 32;
+  const Consts k(T.code);
+  const int32_t* qp[MR];
+  const float* dp[MR];
+  const int32_t* bp[MR];
+  for (int m = 0; m < MR; ++m) {
+    const int64_t mm = m < M ? m : 0;
+    qp[m] = qq + mm * T.K;
+    dp[m] = d + mm * nb;
+    bp[m] = bsum + mm * nb;
+  }
+  __m512 acc[TR][MR];
+  for (int t = 0; t < TR; ++t)
+    for (int m = 0; m < MR; ++m) acc[t][m] = _mm512_setzero_ps();
+  const uint32_t* w[TR];
+  for (int t = 0; t < TR; ++t) w[t] = T.words + (i + t) * kt * tw;
+  const __m512i centre = _mm512_set1_epi32(kTrellisCentre);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i dot[TR][MR];
+    for (int t = 0; t < TR; ++t)
+      for (int m = 0; m < MR; ++m) dot[t][m] = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      const int64_t j = 2 * b + h;
+      __m512i z[TR][nr];
+      for (int t = 0; t < TR; ++t) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[t] + j * tw + 512), _MM_HINT_T0);
+        load_tile<KB>(w[t] + j * tw, z[t]);
+      }
+#pragma GCC unroll 16
+      for (int c = 0; c < kTile; ++c)
+        for (int t = 0; t < TR; ++t) {
+          const __m512i x = _mm512_add_epi32(_mm512_mullo_epi32(states<KB, FULL>(z[t], c, k), k.mul), k.add);
+          for (int m = 0; m < MR; ++m)
+            dot[t][m] = _mm512_dpbusd_epi32(dot[t][m], x, _mm512_set1_epi32(qp[m][j * kTile + c]));
+        }
+    }
+    for (int t = 0; t < TR; ++t)
+      for (int m = 0; m < MR; ++m) {
+        const __m512i exact = _mm512_sub_epi32(dot[t][m], _mm512_mullo_epi32(centre, _mm512_set1_epi32(bp[m][b])));
+        acc[t][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(dp[m][b]), acc[t][m]);
+      }
+  }
+  for (int t = 0; t < TR; ++t) {
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(T.tscale + (i + t) * kTile)));
+    for (int m = 0; m < MR && m < M; ++m) _mm512_storeu_ps(y + m * ldy + (i + t) * kTile, _mm512_mul_ps(acc[t][m], s));
+  }
+}
+
+template <int KB, bool FULL, int MR>
+void rows_q8(const TrellisLayer& T, const int32_t* qq, const float* d, const int32_t* bsum, int64_t M, float* y,
+             int64_t ldy, int64_t i0, int64_t i1) {
+  constexpr int TR = MR <= 2 ? 2 : 1;
+  int64_t i = i0;
+  for (; i + TR <= i1; i += TR) tile_rows_q8<KB, FULL, MR, TR>(T, qq, d, bsum, M, y, ldy, i);
+  for (; i < i1; ++i) tile_rows_q8<KB, FULL, MR, 1>(T, qq, d, bsum, M, y, ldy, i);
+}
+
+template <int KB, bool FULL>
+void gemv_q8_k(const TrellisLayer& T, const int32_t* qq, const float* d, const int32_t* bsum, int64_t M, float* y,
+               int64_t ldy, int64_t i0, int64_t i1) {
+  const int64_t nb = T.K / 32;
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const int64_t mr = M - m0 < 8 ? M - m0 : 8;
+    const int32_t* q = qq + m0 * T.K;
+    const float* dm = d + m0 * nb;
+    const int32_t* bm = bsum + m0 * nb;
+    float* ym = y + m0 * ldy;
+    if (mr == 1) rows_q8<KB, FULL, 1>(T, q, dm, bm, mr, ym, ldy, i0, i1);
+    else if (mr == 2) rows_q8<KB, FULL, 2>(T, q, dm, bm, mr, ym, ldy, i0, i1);
+    else if (mr <= 4) rows_q8<KB, FULL, 4>(T, q, dm, bm, mr, ym, ldy, i0, i1);
+    else rows_q8<KB, FULL, 8>(T, q, dm, bm, mr, ym, ldy, i0, i1);
+  }
+}
+
+template <int KB>
+void gemv_q8_l(const TrellisLayer& T, const int32_t* qq, const float* d, const int32_t* bsum, int64_t M, float* y,
+               int64_t ldy, int64_t i0, int64_t i1) {
+  if (T.code.state_bits == 16) gemv_q8_k<KB, true>(T, qq, d, bsum, M, y, ldy, i0, i1);
+  else gemv_q8_k<KB, false>(T, qq, d, bsum, M, y, ldy, i0, i1);
+}
+
+void gemv_q8(const TrellisLayer& T, const int32_t* qq, const float* d, const int32_t* bsum, int64_t M, float* y,
+             int64_t ldy, int64_t i0, int64_t i1) {
+  switch (T.code.bits) {
+    case 1: return gemv_q8_l<1>(T, qq, d, bsum, M, y, ldy, i0, i1);
+    case 2: return gemv_q8_l<2>(T, qq, d, bsum, M, y, ldy, i0, i1);
+    case 3: return gemv_q8_l<3>(T, qq, d, bsum, M, y, ldy, i0, i1);
+    case 4: return gemv_q8_l<4>(T, qq, d, bsum, M, y, ldy, i0, i1);
+    case 5: return gemv_q8_l<5>(T, qq, d, bsum, M, y, ldy, i0, i1);
+    case 6: return gemv_q8_l<6>(T, qq, d, bsum, M, y, ldy, i0, i1);
+    case 7: return gemv_q8_l<7>(T, qq, d, bsum, M, y, ldy, i0, i1);
+    default: return gemv_q8_l<8>(T, qq, d, bsum, M, y, ldy, i0, i1);
+  }
+}
+
 void gemv(const TrellisLayer& T, const float* x, int64_t M, float* y, int64_t ldy, int64_t i0, int64_t i1) {
   switch (T.code.bits) {
     case 1: return gemv_l<1>(T, x, M, y, ldy, i0, i1);
@@ -202,7 +308,7 @@ void decode(const TrellisLayer& T, int64_t i0, int64_t i1, float* out, int64_t l
   }
 }
 
-const TrellisKernels kTable = {"avx512vnni", gemv, decode};
+const TrellisKernels kTable = {"avx512vnni", gemv, decode, gemv_q8};
 }  // namespace
 // Needs AVX512-VBMI (vpmultishiftqb) on top of the avx512vnni table's features; without it the
 // trellis layers of that table use the AVX-VNNI/AVX2 kernels (see trellis_named).

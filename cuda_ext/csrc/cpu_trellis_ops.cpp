@@ -95,15 +95,20 @@ class TrellisLinearCPU : public LinearCPU {
     return out.t().contiguous();
   }
 
-  // path: "auto" (GEMV below gemm_min_rows rows, else GEMM), "fp32" (the GEMV) or "gemm". Trellis layers
-  // always multiply fp32 activations; `exact` is accepted for QuantLinearCPU's signature and ignored.
-  at::Tensor forward(const at::Tensor& x, const std::string& path, int64_t gemm_min_rows, bool /*exact*/) override {
+  // Whether this table has the int8-activation GEMV for this layer (K a multiple of 32).
+  bool has_int8() const { return trellis_kernels_->gemv_q8 != nullptr && K_ % 32 == 0; }
+
+  // path: "auto" (below gemm_min_rows rows the GEMV: int8 activations unless exact or unavailable,
+  // else fp32; from gemm_min_rows on the GEMM), "int8", "fp32" (the GEMVs) or "gemm".
+  at::Tensor forward(const at::Tensor& x, const std::string& path, int64_t gemm_min_rows, bool exact) override {
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, kWho,
                 " (CPU kernels): input must be a float32 CPU tensor, got ", x.scalar_type(), " on ", x.device());
     TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K_, kWho, ": input has last dimension ", x.dim() ? x.size(-1) : 0,
                 ", the layer has in_features=", K_);
-    TORCH_CHECK(path == "auto" || path == "fp32" || path == "gemm", kWho, ": unknown path '", path,
-                "' (trellis layers have auto, fp32 and gemm)");
+    TORCH_CHECK(path == "auto" || path == "int8" || path == "fp32" || path == "gemm", kWho, ": unknown path '", path,
+                "' (expected auto, int8, fp32 or gemm)");
+    TORCH_CHECK(path != "int8" || has_int8(), kWho, ": no int8 GEMV ", K_ % 32 ? "(in_features is not a multiple of 32)"
+                : "in this instruction set's table", "; use path fp32");
     auto out_shape = x.sizes().vec();
     out_shape.back() = N_;
     const int64_t M = x.numel() / K_;
@@ -117,11 +122,31 @@ class TrellisLinearCPU : public LinearCPU {
     const TrellisLayer L = layer();
     float* yp = y.data_ptr<float>();
     const bool gemm = path == "gemm" || (path == "auto" && M >= gemm_min_rows);
+    const bool int8 = path == "int8" || (path == "auto" && !gemm && !exact && has_int8());
+    const int64_t tiles = N_ / kTile;
+    const int64_t grain = std::max<int64_t>(2, (int64_t(1) << 14) / std::max<int64_t>(K_, 1));
     if (gemm) {
       gemm_(L, u, y);
+    } else if (int8) {
+      // int8 activations per 32 channels (the scalar layers' quantizer), each repeated 4x in an int32
+      const int64_t nb = K_ / 32;
+      auto q8 = at::empty({M, K_}, at::kChar);
+      auto qq = at::empty({M, K_}, at::kInt);
+      auto d = at::empty({M, nb}, at::kFloat);
+      auto bsum = at::empty({M, nb}, at::kInt);
+      int8_t* qp = q8.data_ptr<int8_t>();
+      int32_t* qqp = qq.data_ptr<int32_t>();
+      for (int64_t m = 0; m < M; ++m) {
+        kernels_->quantize_q8(up + m * K_, K_, nullptr, 0, qp + m * K_, d.data_ptr<float>() + m * nb,
+                              bsum.data_ptr<int32_t>() + m * nb);
+        for (int64_t k = 0; k < K_; ++k) qqp[m * K_ + k] = int32_t(uint32_t(uint8_t(qp[m * K_ + k])) * 0x01010101u);
+      }
+      const float* dp = d.data_ptr<float>();
+      const int32_t* bp = bsum.data_ptr<int32_t>();
+      at::parallel_for(0, tiles, grain, [&](int64_t i0, int64_t i1) {
+        trellis_kernels_->gemv_q8(L, qqp, dp, bp, M, yp, N_, i0, i1);
+      });
     } else {
-      const int64_t tiles = N_ / kTile;
-      const int64_t grain = std::max<int64_t>(2, (int64_t(1) << 14) / std::max<int64_t>(K_, 1));
       at::parallel_for(0, tiles, grain, [&](int64_t i0, int64_t i1) { trellis_kernels_->gemv(L, up, M, yp, N_, i0, i1); });
     }
     // 3. y = D_v (H z), 4. bias
@@ -181,6 +206,7 @@ void register_trellis(py::module_& m) {
       .def("forward", &TrellisLinearCPU::forward, py::arg("x"), py::arg("path") = "auto", py::arg("gemm_min_rows") = 32,
            py::arg("exact") = false, py::call_guard<py::gil_scoped_release>())
       .def("decode", &TrellisLinearCPU::decode, "The code values [N, K] (exact integers as float32)")
+      .def_property_readonly("has_int8", &TrellisLinearCPU::has_int8)
       .def_property("isa", &TrellisLinearCPU::isa, &TrellisLinearCPU::set_isa)
       .def_property_readonly("in_features", &TrellisLinearCPU::in_features)
       .def_property_readonly("out_features", &TrellisLinearCPU::out_features);

@@ -47,7 +47,30 @@ void decode(const TrellisLayer& T, int64_t i0, int64_t i1, float* out, int64_t l
     }
 }
 
-const TrellisKernels kTable = {"scalar", gemv, decode};
+void gemv_q8(const TrellisLayer& T, const int32_t* qq, const float* d, const int32_t* bsum, int64_t M, float* y,
+             int64_t ldy, int64_t i0, int64_t i1) {
+  const int64_t kt = T.K / kTile, tw = tile_words(T.code.bits), nb = T.K / 32;
+  float v[2][kTileWeights];
+  for (int64_t i = i0; i < i1; ++i)
+    for (int64_t m = 0; m < M; ++m) {
+      float acc[kTile] = {};
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot[kTile] = {};
+        for (int h = 0; h < 2; ++h) {
+          decode_tile(T.words + (i * kt + 2 * b + h) * tw, T.code, v[h]);
+          for (int c = 0; c < kTile; ++c) {
+            const int32_t q = int8_t(qq[m * T.K + 32 * b + 16 * h + c] & 0xff);
+            for (int r = 0; r < kTile; ++r) dot[r] += (int32_t(v[h][c * kTile + r]) + kTrellisCentre) * q;
+          }
+        }
+        for (int r = 0; r < kTile; ++r)
+          acc[r] = __builtin_fmaf(float(dot[r] - kTrellisCentre * bsum[m * nb + b]), d[m * nb + b], acc[r]);
+      }
+      for (int r = 0; r < kTile; ++r) y[m * ldy + i * kTile + r] = acc[r] * half_bits_to_float(T.tscale[i * kTile + r]);
+    }
+}
+
+const TrellisKernels kTable = {"scalar", gemv, decode, gemv_q8};
 
 }  // namespace
 

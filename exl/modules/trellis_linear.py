@@ -5,9 +5,10 @@ The module holds only the stored tensors (`trellis`, `tscale`, `tmeta`, `su`, `s
 
 - on the CPU, float32: the extension's TrellisLinearCPU: u = H (D_u x) with the scalar layers'
   rotation kernels, then a decode-and-dot GEMV that decodes each 16x16 tile once for up to 16 rows
-  (fewer than `gemm_min_rows` rows), else tile decode into a cache-sized block + BLAS GEMM, then
-  y = D_v (H z) + bias. Each row's result is bit for bit the same at any batch size below
-  `gemm_min_rows` (the GEMV's per-row arithmetic does not depend on the other rows);
+  (fewer than `gemm_min_rows` rows; int8 activations unless `exact`), else tile decode into a
+  cache-sized block + BLAS GEMM, then y = D_v (H z) + bias. Each row's result is bit for bit the
+  same at any batch size below `gemm_min_rows` (the GEMV's per-row arithmetic does not depend on
+  the other rows);
 - on a GPU, float16: the CUDA extension's TrellisLinearCUDA (decode-and-dot GEMV up to 8 rows,
   tile dequantization + cuBLAS above; compile-checked, not yet run on a GPU);
 - `exl.format.reference_forward` when the user asked for the reference path (EXL_NO_EXT=1) or no
@@ -19,10 +20,10 @@ from __future__ import annotations
 import torch
 
 from exl import format as F
-from exl.modules.quant_linear import KernelLinear
+from exl.modules.quant_linear import KernelLinear, _default_exact
 
-# CPU batch sizes from which tile decode + BLAS GEMM beats the decode-and-dot GEMV (docs/benchmarks.md)
-GEMM_MIN_ROWS = 32
+# CPU batch size from which tile decode + BLAS GEMM is as fast as the decode-and-dot GEMV (docs/benchmarks.md)
+GEMM_MIN_ROWS = 48
 
 
 class TrellisLinear(KernelLinear):
@@ -31,15 +32,17 @@ class TrellisLinear(KernelLinear):
     Args:
         tensors: the layer's tensors keyed by the format's names without prefix: `trellis`, `tscale`,
             `tmeta`, `su`, `sv`, and optionally `bias`.
+        exact: CPU only. False (default; env EXL_CPU_EXACT=1 flips it): the GEMV multiplies int8
+            activations (per 32 channels, as QuantLinear's int8 path; about 0.5% RMS relative output
+            error) on the AVX-512 table, fp32 elsewhere; True: fp32 activations throughout.
         gemm_min_rows: CPU only. From this many input rows on, use tile decode + BLAS GEMM (rows
             below it take the batch-invariant GEMV).
     """
 
     REQUIRED = ("trellis", "tscale", "tmeta", "su", "sv")
     OPTIONAL = ("bias",)
-    exact = True  # trellis kernels always multiply fp32 activations
 
-    def __init__(self, tensors: dict[str, torch.Tensor], *, gemm_min_rows: int | None = None):
+    def __init__(self, tensors: dict[str, torch.Tensor], *, exact: bool | None = None, gemm_min_rows: int | None = None):
         super().__init__(tensors)
         self.meta = F.TrellisMeta.from_tensor(tensors["tmeta"])  # validates bits, state bits, code, version
         n, k = self.out_features, self.in_features
@@ -48,6 +51,7 @@ class TrellisLinear(KernelLinear):
             raise ValueError(f"TrellisLinear: trellis must be int32 [{n // F.TILE}, {k // F.TILE}, "
                              f"{self.meta.words_per_tile}] for {self.meta.bits}-bit tiles, got "
                              f"{words.dtype} {list(words.shape)}")
+        self.exact = _default_exact() if exact is None else exact
         self.gemm_min_rows = gemm_min_rows or GEMM_MIN_ROWS
 
     def extra_repr(self) -> str:
