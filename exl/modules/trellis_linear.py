@@ -22,8 +22,10 @@ import torch
 from exl import format as F
 from exl.modules.quant_linear import KernelLinear, _default_exact
 
-# CPU batch size from which tile decode + BLAS GEMM is as fast as the decode-and-dot GEMV (docs/benchmarks.md)
-GEMM_MIN_ROWS = 48
+# CPU batch sizes from which tile decode + BLAS GEMM beats the decode-and-dot GEMV (docs/benchmarks.md):
+# the int8 GEMV costs more per extra row than the fp32 one (one vpdpbusd per row and column on port 0)
+GEMM_MIN_ROWS_INT8 = 17
+GEMM_MIN_ROWS_EXACT = 32
 
 
 class TrellisLinear(KernelLinear):
@@ -36,7 +38,7 @@ class TrellisLinear(KernelLinear):
             activations (per 32 channels, as QuantLinear's int8 path; about 0.5% RMS relative output
             error) on the AVX-512 table, fp32 elsewhere; True: fp32 activations throughout.
         gemm_min_rows: CPU only. From this many input rows on, use tile decode + BLAS GEMM (rows
-            below it take the batch-invariant GEMV).
+            below it take the batch-invariant GEMV). Default 17 (int8), 32 (exact).
     """
 
     REQUIRED = ("trellis", "tscale", "tmeta", "su", "sv")
@@ -52,7 +54,7 @@ class TrellisLinear(KernelLinear):
                              f"{self.meta.words_per_tile}] for {self.meta.bits}-bit tiles, got "
                              f"{words.dtype} {list(words.shape)}")
         self.exact = _default_exact() if exact is None else exact
-        self.gemm_min_rows = gemm_min_rows or GEMM_MIN_ROWS
+        self.gemm_min_rows = gemm_min_rows or (GEMM_MIN_ROWS_EXACT if self.exact else GEMM_MIN_ROWS_INT8)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, trellis K={self.meta.bits} L={self.meta.state_bits}"
