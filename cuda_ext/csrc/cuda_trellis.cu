@@ -1,10 +1,12 @@
 // CUDA trellis kernels (docs/format.md §7): decode-and-dot GEMV for 1-8 activation rows and tile
 // dequantization (fp16, scale folded in) for the cuBLAS GEMM path. The state and code are
-// trellis_format.h's, the same functions the scalar CPU kernels run.
+// trellis_format.h's, the same functions the scalar CPU kernels run. Launches go through
+// EXL_LAUNCH so that the host harness (docs/cuda_host.md) runs this same source.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cuda_device.cuh"
 #include "cuda_trellis.h"
 #include "trellis_format.h"
 
@@ -12,19 +14,17 @@ namespace exl {
 namespace cuda {
 namespace {
 
-constexpr unsigned kAll = 0xffffffffu;
-constexpr int kWarpsPerBlock = 4;
+constexpr int kTrellisWarps = 4;  // warps (tile rows) per block of the GEMV
 
 // Word w (mod the tile's n words) of a tile held by the warp: lane l has words l (lo) and l + 32 (hi).
 __device__ __forceinline__ uint32_t tile_word(uint32_t lo, uint32_t hi, int w, int n) {
   w = w < n ? w : w - n;
-  const uint32_t a = __shfl_sync(kAll, lo, w & 31), b = __shfl_sync(kAll, hi, w & 31);
+  const uint32_t a = __shfl_sync(kFull, lo, w & 31), b = __shfl_sync(kFull, hi, w & 31);
   return w < 32 ? a : b;
 }
 
 __device__ __forceinline__ float code_value(uint32_t state, const TrellisCode& c) {
-  const uint32_t x = c.mul * state + c.add;
-  return float(int(__dp4a(x, 0x01010101u, 0u)) - kTrellisCentre);
+  return float(trellis_value(state, c));
 }
 
 // One warp per tile row (16 outputs). Lane l decodes, in every tile of the row, column c = l / 2
@@ -34,7 +34,7 @@ __device__ __forceinline__ float code_value(uint32_t state, const TrellisCode& c
 template <int MR>
 __global__ void trellis_gemv_kernel(TrellisDev T, const float* __restrict__ x, int M, float* __restrict__ z) {
   const int lane = threadIdx.x & 31;
-  const int64_t i = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  const int64_t i = int64_t(blockIdx.x) * kTrellisWarps + (threadIdx.x >> 5);
   if (i >= T.N / kTile) return;  // a whole warp leaves together
   const int K = T.code.bits, n = tile_words(K);
   const int64_t kt = T.K / kTile;
@@ -70,7 +70,7 @@ __global__ void trellis_gemv_kernel(TrellisDev T, const float* __restrict__ x, i
     for (int r = 0; r < 8; ++r) {
       float s = acc[m][r];
 #pragma unroll
-      for (int o = 16; o > 1; o >>= 1) s += __shfl_xor_sync(kAll, s, o);
+      for (int o = 16; o > 1; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
       acc[m][r] = s;
     }
   if (lane < 2) {
@@ -104,20 +104,20 @@ __global__ void trellis_dequant_kernel(TrellisDev T, int64_t i0, __half* __restr
 void launch_trellis_gemv(const TrellisDev& T, const float* x, int M, float* z, cudaStream_t stream) {
   const int64_t tiles = T.N / kTile;
   if (tiles == 0 || M <= 0) return;
-  const dim3 grid(unsigned((tiles + kWarpsPerBlock - 1) / kWarpsPerBlock)), block(32 * kWarpsPerBlock);
+  const dim3 grid(unsigned((tiles + kTrellisWarps - 1) / kTrellisWarps)), block(32 * kTrellisWarps);
   switch (M) {
-    case 1: trellis_gemv_kernel<1><<<grid, block, 0, stream>>>(T, x, M, z); break;
-    case 2: trellis_gemv_kernel<2><<<grid, block, 0, stream>>>(T, x, M, z); break;
+    case 1: EXL_LAUNCH(grid, block, 0, stream, trellis_gemv_kernel<1>)(T, x, M, z); break;
+    case 2: EXL_LAUNCH(grid, block, 0, stream, trellis_gemv_kernel<2>)(T, x, M, z); break;
     case 3:
-    case 4: trellis_gemv_kernel<4><<<grid, block, 0, stream>>>(T, x, M, z); break;
-    default: trellis_gemv_kernel<8><<<grid, block, 0, stream>>>(T, x, M, z); break;
+    case 4: EXL_LAUNCH(grid, block, 0, stream, trellis_gemv_kernel<4>)(T, x, M, z); break;
+    default: EXL_LAUNCH(grid, block, 0, stream, trellis_gemv_kernel<8>)(T, x, M, z); break;
   }
 }
 
 void launch_trellis_dequant(const TrellisDev& T, int64_t n0, int64_t n1, __half* out, cudaStream_t stream) {
   const int64_t tiles = (n1 - n0) / kTile * (T.K / kTile);
   if (tiles <= 0) return;
-  trellis_dequant_kernel<<<unsigned(tiles), kTileWeights, 0, stream>>>(T, n0 / kTile, out);
+  EXL_LAUNCH(dim3(unsigned(tiles)), dim3(kTileWeights), 0, stream, trellis_dequant_kernel)(T, n0 / kTile, out);
 }
 
 }  // namespace cuda

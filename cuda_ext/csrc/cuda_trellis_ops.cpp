@@ -17,11 +17,19 @@ namespace {
 
 const char* kWho = "exl TrellisLinear (CUDA kernels)";
 
+// The device the kernels run on: CUDA, or the CPU under the host harness (as in cuda_ops.cpp).
+#ifdef EXL_CUDA_HOST
+constexpr auto kTrellisDevice = c10::DeviceType::CPU;
+#else
+constexpr auto kTrellisDevice = c10::DeviceType::CUDA;
+#endif
+
 class TrellisLinearCUDA {
  public:
   TrellisLinearCUDA(torch::Tensor trellis, torch::Tensor tscale, torch::Tensor tmeta, torch::Tensor su,
                     torch::Tensor sv, c10::optional<torch::Tensor> bias) {
-    TORCH_CHECK(trellis.is_cuda(), kWho, ": trellis must be a CUDA tensor, got one on ", trellis.device());
+    TORCH_CHECK(trellis.device().type() == kTrellisDevice, kWho, ": trellis must be a CUDA tensor, got one on ",
+                trellis.device());
     TORCH_CHECK(trellis.scalar_type() == torch::kInt32 && trellis.dim() == 3, kWho,
                 ": trellis must be int32 [N/16, K/16, 8*bits], got ", trellis.scalar_type(), " ", trellis.sizes());
     TORCH_CHECK(tmeta.scalar_type() == torch::kInt32 && tmeta.numel() == 6, kWho, ": tmeta must be int32 [6]");
@@ -70,7 +78,8 @@ class TrellisLinearCUDA {
 
   // path: "auto" (GEMV up to 8 rows, GEMM above), "gemv" or "gemm".
   torch::Tensor forward(const torch::Tensor& x, const std::string& path) const {
-    TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kHalf, kWho, ": input must be a float16 CUDA tensor");
+    TORCH_CHECK(x.device().type() == kTrellisDevice && x.scalar_type() == torch::kHalf, kWho,
+                ": input must be a float16 CUDA tensor");
     TORCH_CHECK(x.device() == trellis_.device(), kWho, ": input is on ", x.device(), ", the layer on ",
                 trellis_.device());
     const int64_t K = dev_.K, N = dev_.N;
@@ -89,7 +98,7 @@ class TrellisLinearCUDA {
     // 1. u = H (D_u x) in fp32
     auto u = torch::empty({M, K}, f32);
     launch_hadamard(x2.data_ptr(), true, u.data_ptr(), false, M, K, hadamard_block(K), su_.data_ptr<uint8_t>(), true,
-                    nullptr, stream);
+                    nullptr, nullptr, stream);
     // 2. z = tscale * (values u)
     auto z = torch::empty({M, N}, f32);
     if (path == "gemv" || (path == "auto" && M <= kMaxTrellisGemvRows)) {
@@ -109,7 +118,7 @@ class TrellisLinearCUDA {
     }
     // 3.+4. y = D_v (H z) + bias, to fp16
     launch_hadamard(z.data_ptr(), false, y.data_ptr(), true, M, N, hadamard_block(N), sv_.data_ptr<uint8_t>(), false,
-                    bias_.defined() ? bias_.data_ptr<float>() : nullptr, stream);
+                    bias_.defined() ? bias_.data_ptr<float>() : nullptr, nullptr, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return y.reshape(out_shape);
   }
@@ -120,11 +129,9 @@ class TrellisLinearCUDA {
 };
 
 }  // namespace
-}  // namespace cuda
-}  // namespace exl
 
+// Called by bind() (cuda_ops.cpp).
 void register_trellis_cuda(pybind11::module_& m) {
-  using exl::cuda::TrellisLinearCUDA;
   pybind11::class_<TrellisLinearCUDA>(m, "TrellisLinearCUDA")
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                           c10::optional<torch::Tensor>>(),
@@ -135,3 +142,6 @@ void register_trellis_cuda(pybind11::module_& m) {
       .def_property_readonly("in_features", &TrellisLinearCUDA::in_features)
       .def_property_readonly("out_features", &TrellisLinearCUDA::out_features);
 }
+
+}  // namespace cuda
+}  // namespace exl
