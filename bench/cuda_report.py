@@ -167,7 +167,8 @@ def roofline(model: Model, gpu: GPU, usages) -> dict:
 
 def roofline_table(usages) -> str:
     out = ["| model (4.0 bpw, head 6.25) | GPU | bytes/token | bandwidth bound | GEMV at paper efficiency | "
-           "+ 2 small kernels per linear | linear launches | ExLlamaV2 (published) |", "|---|---|---|---|---|---|---|---|"]
+           "+ 2 small kernels per linear | linear launches | ExLlamaV2 (published) |",
+           "|---|---|---|---|---|---|---|---|"]
     for model in MODELS:
         for gpu in GPUS:
             r = roofline(model, gpu, usages)

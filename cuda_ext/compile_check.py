@@ -166,8 +166,9 @@ def resource_table(usages: list[KernelUsage]) -> str:
         cells = []
         for a in archs:
             u = by.get((k, a))
+            spill = 0 if u is None else u.spill_stores + u.spill_loads
             cells.append("–" if u is None else f"{u.registers} r" + (f", {u.smem} B smem" if u.smem else "")
-                         + (f", **{u.spill_stores + u.spill_loads} B spill**" if u.spill_stores + u.spill_loads else ""))
+                         + (f", **{spill} B spill**" if spill else ""))
         rows.append(f"| `{k}` | " + " | ".join(cells) + " |")
     return head + "\n".join(rows) + "\n"
 

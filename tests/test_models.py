@@ -11,6 +11,8 @@ import transformers
 import exl
 from exl.cache.contiguous import KVCache
 
+pytestmark = pytest.mark.kernels  # models on the compiled kernels; CI runs these under a second torch too
+
 BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
 

@@ -378,7 +378,8 @@ void launch_kv_quantize(const __half* x, int64_t rows, int d, int bits, const ui
   const float norm = 1.0f / sqrtf(float(d));
   const unsigned grid = blocks_for(rows, warps);
   const size_t smem = size_t(warps) * d * sizeof(float);
-#define EXL_KVQ(B) EXL_LAUNCH(grid, threads, smem, stream, kv_quantize_kernel<B>)(x, rows, d, norm, signs, packed, scales)
+#define EXL_KVQ(B) \
+  EXL_LAUNCH(grid, threads, smem, stream, kv_quantize_kernel<B>)(x, rows, d, norm, signs, packed, scales)
   switch (bits) {
     case 4: EXL_KVQ(4); break;
     case 6: EXL_KVQ(6); break;

@@ -152,6 +152,7 @@ class CausalLM(nn.Module):
         config = ModelConfig.from_dir(path)
         family = cls._family(config, path)
         dtype = dtype or (torch.float16 if torch.device(device).type == "cuda" else torch.float32)
+        require_kernels(config, dtype, device)
         model = family(config, TensorLoader(path), dtype, device, progress)
         model.path = Path(path)
         return model.eval()
@@ -213,4 +214,18 @@ class CausalLM(nn.Module):
         if cap:
             logits = cap * torch.tanh(logits / cap)
         return logits
+
+
+def require_kernels(config: ModelConfig, dtype: torch.dtype, device) -> None:
+    """Build (or load the cached) extension this model will run on, now: a build failure stops the load
+    with cuda_ext.ExtensionBuildError (what failed, the compiler's first error, how to fix it) instead of
+    a slow fallback. With EXL_NO_EXT=1 nothing is built and the reference path runs."""
+    import cuda_ext
+    from exl.modules import fused
+
+    kind = torch.device(device).type
+    if kind == "cuda" and config.quantization:
+        cuda_ext.cuda()
+    elif kind == "cpu" and (config.quantization or (dtype == torch.float32 and fused.enabled())):
+        cuda_ext.cpu()
 

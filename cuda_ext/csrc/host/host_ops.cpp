@@ -19,15 +19,15 @@ void check_out(const torch::Tensor& t, at::ScalarType dtype, const char* name) {
 
 void check_launch() { C10_CUDA_KERNEL_LAUNCH_CHECK(); }
 
+const __half* half_ptr(const torch::Tensor& t) { return reinterpret_cast<const __half*>(t.data_ptr<at::Half>()); }
+
 LayerDev layer_of(const torch::Tensor& qweight, const torch::Tensor& qscale, const torch::Tensor& qmeta) {
   const LayerSpec spec = check_layer(qweight, qscale, qmeta, {}, {}, {}, {});
   check_out(qweight, at::kByte, "qweight");
   check_out(qscale, at::kHalf, "qscale");
-  return LayerDev{qweight.data_ptr<uint8_t>(), spec.row_bytes,
-                  reinterpret_cast<const __half*>(qscale.data_ptr<at::Half>()), spec.n_groups, spec.N, spec.K, spec.segs};
+  return LayerDev{qweight.data_ptr<uint8_t>(), spec.row_bytes, half_ptr(qscale), spec.n_groups, spec.N, spec.K,
+                  spec.segs};
 }
-
-const __half* half_ptr(const torch::Tensor& t) { return reinterpret_cast<const __half*>(t.data_ptr<at::Half>()); }
 
 void bind_host(pybind11::module_& m) {
   m.def("gemv", [](const torch::Tensor& qw, const torch::Tensor& qs, const torch::Tensor& qm, const torch::Tensor& x,
@@ -65,8 +65,8 @@ void bind_host(pybind11::module_& m) {
                                torch::Tensor packed, torch::Tensor scales) {
     check_out(x, at::kHalf, "x");
     const int64_t d = x.size(-1);
-    launch_kv_quantize(half_ptr(x), x.numel() / d, int(d), int(bits), present(signs) ? signs->data_ptr<uint8_t>() : nullptr,
-                       packed.data_ptr<uint8_t>(), reinterpret_cast<__half*>(scales.data_ptr<at::Half>()), nullptr);
+    launch_kv_quantize(half_ptr(x), x.numel() / d, int(d), int(bits),
+                       present(signs) ? signs->data_ptr<uint8_t>() : nullptr, packed.data_ptr<uint8_t>(), reinterpret_cast<__half*>(scales.data_ptr<at::Half>()), nullptr);
     check_launch();
   });
   m.def("kv_dequantize_into", [](const torch::Tensor& packed, const torch::Tensor& scales, int64_t bits, bool rotate,

@@ -72,7 +72,9 @@ void reverse(const float* in, float* out, int blocks, int n, bool sync) {
 void warp_exchange(const float* in, float* out, int n, bool sync) {
   EXL_LAUNCH(1, n, n * sizeof(float), 0, warp_exchange_kernel)(in, out, sync);
 }
-void shuffle(int kind, int arg, int width, int n, int* out) { EXL_LAUNCH(1, n, 0, 0, shuffle_kernel)(kind, arg, width, out); }
+void shuffle(int kind, int arg, int width, int n, int* out) {
+  EXL_LAUNCH(1, n, 0, 0, shuffle_kernel)(kind, arg, width, out);
+}
 void ballot(int n, unsigned* out) { EXL_LAUNCH(1, n, 0, 0, ballot_kernel)(out); }
 void atomics(int blocks, int* count, float* sum) { EXL_LAUNCH(blocks, 256, 0, 0, atomics_kernel)(count, sum); }
 void divergent_barrier() { EXL_LAUNCH(1, 64, 0, 0, divergent_barrier_kernel)(); }
