@@ -11,8 +11,8 @@ The module holds only the stored tensors (`trellis`, `tscale`, `tmeta`, `su`, `s
   the other rows);
 - on a GPU, float16: the CUDA extension's TrellisLinearCUDA (decode-and-dot GEMV up to 8 rows,
   tile dequantization + cuBLAS above; compile-checked, not yet run on a GPU);
-- `exl.format.reference_forward` when the user asked for the reference path (EXL_NO_EXT=1) or no
-  extension can be built (warned once by cuda_ext).
+- `exl.format.reference_forward` only when asked for (EXL_NO_EXT=1). An extension that cannot be
+  built raises cuda_ext.ExtensionBuildError; one without trellis kernels raises RuntimeError.
 """
 
 from __future__ import annotations
