@@ -10,7 +10,7 @@ The module holds only the stored tensors (`trellis`, `tscale`, `tmeta`, `su`, `s
   same at any batch size below `gemm_min_rows` (the GEMV's per-row arithmetic does not depend on
   the other rows);
 - on a GPU, float16: the CUDA extension's TrellisLinearCUDA (decode-and-dot GEMV up to 8 rows,
-  tile dequantization + cuBLAS above; compile-checked, not yet run on a GPU);
+  tile dequantization + cuBLAS above; tested under the host harness, not yet run on a GPU);
 - `exl.format.reference_forward` only when asked for (EXL_NO_EXT=1). An extension that cannot be
   built raises cuda_ext.ExtensionBuildError; one without trellis kernels raises RuntimeError.
 """
