@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -155,6 +156,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+        os.environ["EXL_THREADS"] = str(args.threads)  # asked for: no automatic choice at load
     q = args.quick
     model = exl.load_model(args.model, progress=False)
     tok = Tokenizer.from_dir(args.model)

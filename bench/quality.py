@@ -22,6 +22,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -221,6 +222,7 @@ def ablation_variants() -> list[dict]:
 
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
+    os.environ["EXL_THREADS"] = str(args.threads)  # asked for: no automatic choice at load
     rot = rotated_model(args.seed)
     tok = Tokenizer.from_dir(rot)
     from calibration.evaltext import eval_tokens

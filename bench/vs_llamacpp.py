@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,7 @@ def main(argv=None) -> int:
     exl_dir, gguf = (Path(args.exl), Path(args.gguf)) if args.exl else prepare(args.bits)
 
     torch.set_num_threads(args.threads)
+    os.environ["EXL_THREADS"] = str(args.threads)  # asked for: no automatic choice at load
     model = exl.load_model(exl_dir, progress=False)
     ours = benchmark.run(model, 512, 128, args.repetitions)
     del model

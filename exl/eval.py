@@ -25,6 +25,27 @@ def windows(tokens, ctx: int, max_windows: int | None = None) -> torch.Tensor:
     return tokens[: n * ctx].view(n, ctx)
 
 
+def next_token_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    """[batch, len - 1, vocab] float32 log-probabilities of each next token given the ones before it."""
+    return torch.log_softmax(model(ids)[:, :-1].float(), dim=-1)
+
+
+@torch.inference_mode()
+def prompt_logprobs(model, ids: list[int], top_k: int = 0) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """For tokens 2..n of `ids`: the log-probability of each given the ones before it (the numbers `perplexity`
+    averages), and the `top_k` most likely tokens at each position as (id, logprob)."""
+    if len(ids) < 2:
+        return [], []
+    logp = next_token_logprobs(model, torch.tensor([ids], dtype=torch.long))[0]
+    target = torch.tensor(ids[1:], dtype=torch.long, device=logp.device)
+    chosen = logp.gather(-1, target[:, None])[:, 0].tolist()
+    if top_k <= 0:
+        return chosen, [[] for _ in chosen]
+    values, indices = logp.topk(top_k, dim=-1)
+    tops = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+    return chosen, tops
+
+
 @torch.inference_mode()
 def perplexity(model, tokens, ctx: int = 512, max_windows: int | None = None, ref_model=None,
                batch_size: int = 1, progress: bool = True) -> dict:
@@ -34,7 +55,7 @@ def perplexity(model, tokens, ctx: int = 512, max_windows: int | None = None, re
     bar = tqdm(range(0, len(w), batch_size), desc="eval", unit="window", disable=not progress, leave=False)
     for i in bar:
         ids = w[i : i + batch_size]
-        logp = torch.log_softmax(model(ids)[:, :-1].float(), dim=-1)
+        logp = next_token_logprobs(model, ids)
         target = ids[:, 1:].to(logp.device)
         nll_sum += -logp.gather(-1, target[..., None]).sum().item()
         if ref_model is not None:

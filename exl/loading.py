@@ -25,7 +25,9 @@ def load_model(path: str | Path, *, device: str | None = None, dtype: torch.dtyp
     """Load a Hugging Face or exl-quantized model folder.
 
     device: a torch device (default: the CPU; the commands and the server pick cuda when a GPU is visible,
-    see pick_device). dtype: compute dtype (default: float16 on GPUs, float32 on the CPU).
+    see pick_device). dtype: compute dtype (default: float16 on GPUs, float32 on the CPU). On the CPU, unless
+    the user fixed the thread count (EXL_THREADS, OMP_NUM_THREADS, torch.set_num_threads), cores that other
+    processes keep busy are left out (exl/threads.py).
     tp=N (N >= 2) or gpu_split=[GiB, ...] (or "8,12"): split the model over several devices, one process
     each, and return an exl.parallel.ParallelModel, used like a single model; other keywords (mode="expert",
     shares=[...], ...) go to exl.parallel.load_parallel (docs/parallel.md).
@@ -39,6 +41,10 @@ def load_model(path: str | Path, *, device: str | None = None, dtype: torch.dtyp
         raise TypeError(f"load_model: {', '.join(sorted(parallel))} only apply with tp >= 2 or gpu_split")
     from exl.models import CausalLM
 
+    if torch.device(device or "cpu").type == "cpu":  # leave out cores other processes keep busy (exl/threads.py)
+        from exl.threads import apply_auto_threads
+
+        apply_auto_threads()
     try:
         return CausalLM.load(path, dtype=dtype, device=device or "cpu", progress=progress)
     except FileNotFoundError as e:  # a file the folder's index names is missing

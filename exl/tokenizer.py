@@ -34,6 +34,7 @@ from exl.errors import ExlError, ModelLoadError
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) valid UTF-8
+_GIL_FREE_CHARS = 8192  # texts longer than this are encoded with the GIL released
 
 
 class ChatTemplateError(ExlError):
@@ -168,6 +169,7 @@ class Tokenizer:
         self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         self.byte_fallback_ids = self._find_byte_fallback_ids()
         self._pieces: list[str] | None = None
+        self._max_piece_chars: int | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -302,7 +304,18 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"Tokenizer.encode expects a str, got {type(text).__name__}")
         backend = self.backend if special else self._plain_text_backend()
+        if len(text) > _GIL_FREE_CHARS:  # encode_batch runs without the GIL: other threads go on meanwhile
+            return self._wrap(backend.encode_batch([text], add_special_tokens=False)[0].ids, add_bos, add_eos)
         return self._wrap(backend.encode(text, add_special_tokens=False).ids, add_bos, add_eos)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the number of tokens of `text`, without tokenizing it (to refuse huge inputs early).
+
+        No token covers more characters than its piece is long; the factor 2 leaves room for normalizers that
+        compose characters (NFKC)."""
+        if self._max_piece_chars is None:
+            self._max_piece_chars = max(1, max(len(p) for p in self.pieces()))
+        return len(text) // (2 * self._max_piece_chars)
 
     def encode_batch(self, texts: list[str], add_bos: bool | None = None, special: bool = True,
                      add_eos: bool | None = None) -> list[list[int]]:

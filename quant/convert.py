@@ -22,12 +22,13 @@ import torch
 from exl import format as F
 from exl.errors import ExlError
 from quant import passes
+from quant.faults import clean_tmp
 from quant.model_parts import SourceModel
 from quant.optimize import fixed_plan, optimize
 from quant.options import QuantOptions
 from quant.report import format_report
 from quant.workdir import WorkDir
-from quant.writer import copy_tokenizer, stored_dtype, write_config, write_shards
+from quant.writer import atomic_copy, copy_tokenizer, stored_dtype, write_config, write_shards, write_text
 
 log = logging.getLogger("exl.quant")
 MEASUREMENT_VERSION = 1
@@ -106,6 +107,7 @@ def _prepare_work(job: Job, resume: bool) -> WorkDir:
         raise ConvertError(f"-o {out} is not empty. Choose a new folder, delete it, or add -r to resume into it.")
     wd = WorkDir(work)
     wd.clean_tmp()
+    clean_tmp(out)  # a run killed while writing the output folder left its half-written file there
     wd.save_json("job.json", record)
     return wd
 
@@ -226,7 +228,7 @@ def convert(job: Job, resume: bool = False, progress: bool = True) -> dict:
     report["timings"]["total"] = round(sum(timings.values()), 1)
     out = Path(job.output)
     qc, untie = report.pop("quantization_config"), report.pop("untie")
-    (out / "quantization_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_text(out / "quantization_report.json", json.dumps(report, indent=1) + "\n")
     write_config(src.path, out, qc, untie=untie)  # last: a folder with config.json is complete
     if progress:
         print(format_report(report))
@@ -307,8 +309,8 @@ def _write_output(job: Job, wd: WorkDir, src: SourceModel, measurement: dict, pl
     if job.options != QuantOptions():
         qc["options"] = job.options.to_dict()
     copy_tokenizer(src.path, out)
-    shutil.copyfile(wd.file("measurement.json") if wd.exists("measurement.json") else
-                    _measurement_path(job.measurement), out / "measurement.json")
+    atomic_copy(wd.file("measurement.json") if wd.exists("measurement.json") else
+                _measurement_path(job.measurement), out / "measurement.json")
     stats = [s for i in range(n) for s in wd.load_json(f"quant/block_{i:03d}.json")]
     predicted = {c: plan["choices"][c]["kl"] for c in plan["choices"]}
     for s in stats:

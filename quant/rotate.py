@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from exl.config import ModelConfig
 from exl.errors import UnsupportedModelError
+from exl.files import public_mode
 from exl.loader import TensorLoader
 from quant.writer import TOKENIZER_FILES
 
@@ -78,6 +79,7 @@ def rotate_model(src: str | Path, dst: str | Path, seed: int = 0) -> Path:
     dst.mkdir(parents=True, exist_ok=True)
     tmp = dst / f".model.safetensors.tmp-{os.getpid()}"
     save_file({k: v.to(torch.float32).contiguous() for k, v in out.items()}, str(tmp), metadata={"format": "pt"})
+    public_mode(tmp)
     os.replace(tmp, dst / "model.safetensors")
     raw = json.loads((src / "config.json").read_text())
     raw["tie_word_embeddings"] = False

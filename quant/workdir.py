@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from quant import faults
+
 
 class WorkDir:
     def __init__(self, path: str | Path):
@@ -34,6 +36,7 @@ class WorkDir:
         target = self.path / name
         tmp = self._tmp(target)
         tmp.write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n")
+        faults.before_commit(target)
         os.replace(tmp, target)
 
     def load_json(self, name: str):
@@ -43,6 +46,7 @@ class WorkDir:
         target = self.path / name
         tmp = self._tmp(target)
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        faults.before_commit(target)
         os.replace(tmp, target)
 
     def load_tensors(self, name: str, device="cpu") -> dict[str, torch.Tensor]:
@@ -56,5 +60,4 @@ class WorkDir:
 
     def clean_tmp(self) -> None:
         """Remove half-written files left by a killed run."""
-        for f in self.path.rglob(".*.tmp-*"):
-            f.unlink(missing_ok=True)
+        faults.clean_tmp(self.path, recursive=True)

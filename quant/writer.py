@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from exl.files import public_mode
 from exl.format import FORMAT_VERSION
+from quant.faults import before_commit
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt",
@@ -27,13 +29,28 @@ def stored_dtype(name: str, t: torch.Tensor) -> torch.Tensor:
 def _atomic_save(tensors: dict, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
+    public_mode(tmp)  # safetensors creates files 0600; the model is as readable as every other file
+    before_commit(path)
     os.replace(tmp, path)
 
 
 def _atomic_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
+    before_commit(path)
     os.replace(tmp, path)
+
+
+def atomic_copy(src: Path, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.copyfile(src, tmp)
+    before_commit(path)
+    os.replace(tmp, path)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write an output file under a temporary name and rename it into place."""
+    _atomic_text(path, text)
 
 
 def write_shards(out: Path, items: list[tuple[str, int, object]], shard_bytes: int) -> list[str]:
@@ -79,6 +96,6 @@ def copy_tokenizer(src_dir: Path, out: Path) -> list[str]:
     copied = []
     for name in TOKENIZER_FILES:
         if (src_dir / name).is_file():
-            shutil.copyfile(src_dir / name, out / name)
+            atomic_copy(src_dir / name, out / name)
             copied.append(name)
     return copied

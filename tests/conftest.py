@@ -6,9 +6,14 @@ imported once into the exl cache (`$EXL_CACHE` or ~/.cache/exl) and reused by ev
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Tests keep torch's thread count as it is: loading a model must not probe the (busy) machine and drop
+# threads for every later test (exl/threads.py; tests/test_threads.py sets the variable itself).
+os.environ.setdefault("EXL_THREADS", "all")
 
 
 @pytest.fixture(scope="session")

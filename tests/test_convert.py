@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -248,18 +247,21 @@ def output_bytes(folder: Path) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.is_file() and f.name != "quantization_report.json"}
 
 
-def run_cli(args, kill_when: Path | None = None) -> int:
+def run_cli(args, kill_before: str | None = None) -> int:
+    """Run convert.py; with kill_before, it SIGKILLs itself just before that file is renamed into place
+    (quant.faults: deterministic, no timing)."""
     cmd = [sys.executable, str(ROOT / "convert.py"), *args, "-q"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    if kill_when is None:
-        out, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, out.decode()[-3000:]
-        return 0
-    while proc.poll() is None and not kill_when.exists():
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    env = dict(os.environ)
+    if kill_before is not None:
+        env["EXL_KILL_BEFORE_COMMIT"] = kill_before
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, timeout=600)
+    if kill_before is None:
+        assert proc.returncode == 0, proc.stdout.decode()[-3000:]
     return proc.returncode
+
+
+def tmp_files(folder: Path) -> list[Path]:
+    return sorted(folder.rglob(".*.tmp-*"))
 
 
 def test_resume_after_kills_gives_identical_output(tiny, tmp_path):
@@ -267,15 +269,21 @@ def test_resume_after_kills_gives_identical_output(tiny, tmp_path):
     run_cli([*args, "-o", str(tmp_path / "ref")])
     out, work = tmp_path / "out", tmp_path / "work"
     full = [*args, "-o", str(out), "-w", str(work)]
-    stages = [work / "fisher" / "in_001.safetensors", work / "measure" / "block_000.json",
-              work / "quant" / "block_000.json", work / "head.json"]
-    killed = 0
+    # one kill in every stage, the last two while the output folder is written (shard, then config.json)
+    stages = ["fisher/in_001.safetensors", "measure/block_000.json", "quant/block_000.json", "head.json",
+              "out/model.safetensors", "out/config.json"]
     for i, stage in enumerate(stages):
-        rc = run_cli(full + (["-r"] if i else []), kill_when=stage)
-        killed += rc == -signal.SIGKILL
-    assert killed >= 3  # (a stage may finish before the kill lands; the others must have been cut short)
+        assert run_cli(full + (["-r"] if i else []), kill_before=stage) == -signal.SIGKILL, stage
+        assert tmp_files(out if stage.startswith("out/") else work), stage  # the half-written file is there
+    assert not (out / "config.json").exists()
     run_cli(full + ["-r"])
+    assert not tmp_files(out) and not tmp_files(work)
     assert output_bytes(out) == output_bytes(tmp_path / "ref")
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in out.iterdir():  # every file, the safetensors shard too, as readable as the umask allows
+        if f.is_file():
+            assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f
 
 
 def test_bad_inputs(tiny, tmp_path):
@@ -395,8 +403,9 @@ def test_smollm2_resume_after_kills_is_identical(smollm_dir, tmp_path):
     run_cli([*args, "-o", str(tmp_path / "ref")])
     out, work = tmp_path / "out", tmp_path / "work"
     full = [*args, "-o", str(out), "-w", str(work)]
-    assert run_cli(full, kill_when=work / "measure" / "block_011.json") == -signal.SIGKILL
-    assert run_cli(full + ["-r"], kill_when=work / "quant" / "block_020.json") == -signal.SIGKILL
+    assert run_cli(full, kill_before="measure/block_011.json") == -signal.SIGKILL
+    assert run_cli(full + ["-r"], kill_before="quant/block_020.json") == -signal.SIGKILL
+    assert run_cli(full + ["-r"], kill_before="out/model.safetensors") == -signal.SIGKILL
     run_cli(full + ["-r"])
     assert output_bytes(out) == output_bytes(tmp_path / "ref")
 

@@ -33,7 +33,8 @@ def ext():
 
 
 def isas(ext):
-    return ["scalar", "avx2"] if "avx2" in ext.isa_names() else ["scalar"]
+    """Every instruction-set level this CPU runs (the GEMV's names; cpu_isa.h), so each fused table is tested."""
+    return ext.isa_names()
 
 
 def close(got, want, tol=TOL):
@@ -146,6 +147,26 @@ def test_act_mul(ext, act):
         # factor, which cancels for negative x (torch's own float32 GELU is off by more there)
         exact = (ACTIVATIONS[act](gate.double()) * up.double())
         assert ((out.double() - exact).abs() <= 2e-6 * exact.abs() + 1.2e-7 * (gate * up).abs()).all()
+
+
+def test_fused_tables_follow_the_shared_isa_levels(ext, monkeypatch):
+    """One detection layer (cpu_isa.h): each GEMV level picks the best fused table at or below it, 'auto' and
+    EXL_CPU_ISA mean what they mean for the GEMV, and every fused table is reachable where the CPU has it."""
+    want = {"scalar": "scalar", "avx2": "avx2", "avxvnni": "avx2", "avx512vnni": "avx512"}
+    names = ext.isa_names()
+    for isa in names:
+        assert ext.fused_isa(isa) == want[isa], isa
+    monkeypatch.delenv("EXL_CPU_ISA", raising=False)
+    assert ext.fused_isa("auto") == want[names[-1]]
+    monkeypatch.setenv("EXL_CPU_ISA", "scalar")
+    assert ext.fused_isa("auto") == "scalar"
+    assert ext.fused_isa(names[-1]) == want[names[-1]]  # an explicit level wins over the variable
+    monkeypatch.setenv("EXL_CPU_ISA", "avx9")
+    with pytest.raises(RuntimeError, match=r"isa must be .*got 'avx9' \(from EXL_CPU_ISA\)"):
+        ext.fused_isa("auto")
+    for level in {"avx2", "avxvnni", "avx512vnni"} - set(names):
+        with pytest.raises(RuntimeError, match="not available on this CPU"):
+            ext.fused_isa(level)
 
 
 def test_bad_inputs_are_explained(ext):

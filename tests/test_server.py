@@ -16,7 +16,9 @@ import openai
 import pytest
 import torch
 
-from test_server_utils import Server, link_model, make_tool_model
+from test_server_utils import REPO, Server, link_model, make_tool_model
+
+REPO_TESTS = REPO / "tests"
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,7 +45,7 @@ def env(smollm_dir, tmp_path_factory):
     (sneaky / "config.json").write_text((outside / "config.json").read_text())
     (sneaky / "model.safetensors").symlink_to(outside / "model.safetensors")
     server = Server(models, "smol", root, ["--max-seq-len", "1024", "--cache-size", "8192", "--max-batch-size", "16",
-                                           "--shutdown-timeout", "20"])
+                                           "--shutdown-grace", "20"])
     try:
         server.wait_ready()
         yield server
@@ -117,6 +119,40 @@ def test_chat_greedy_matches_reference_with_logprobs(client, ref):
         assert tops[1] == pytest.approx(lp[k].topk(2).values[1].item(), abs=2e-2)
 
 
+def test_hostile_text_is_a_400_never_a_500(env, client):
+    h = {**env.headers(), "content-type": "application/json"}
+    cases = [("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "ab\\ud800c"}], "max_tokens": 2}',
+              "messages[0].content", 2),
+             ("/v1/completions", b'{"prompt": ["ok", "x\\udfffy"], "max_tokens": 2}', "prompt[1]", 1),
+             ("/v1/token/encode", b'{"text": "\\ud800"}', "text", 0)]
+    for path, body, where, at in cases:
+        r = httpx.post(env.url + path, headers=h, content=body)
+        assert r.status_code == 400, (path, r.text)
+        message = r.json()["error"]["message"]
+        assert where in message and f"at character {at}" in message and "surrogate" in message, message
+    # a high-low pair is fine
+    r = httpx.post(env.url + "/v1/token/encode", headers=h, content=b'{"text": "\\ud83d\\ude00"}')
+    assert r.status_code == 200 and r.json()["length"] >= 1
+    # a prompt far beyond the context is refused before it is tokenized (no tokenizer time or memory)
+    t0 = time.perf_counter()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smol", prompt="word " * 1_500_000, max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded" and "characters" in e.value.body["message"]
+    assert time.perf_counter() - t0 < 60  # tokenizing 7.5 MB would take ~10 s; sanity bound only
+    assert httpx.get(env.url + "/health").json()["status"] == "ok"
+
+
+def test_finish_reasons_are_openai_values_with_exl_reason_beside(env, client):
+    r = client.completions.create(model="smol", prompt="1, 2, 3,", temperature=0, max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].model_extra["exl_finish_reason"] == "max_new_tokens"
+    r = client.chat.completions.create(model="smol", messages=MESSAGES, temperature=0, max_tokens=200)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["exl_finish_reason"] == "stop_token"
+    chunks = list(client.completions.create(model="smol", prompt="1, 2, 3,", temperature=0, max_tokens=3,
+                                            stream=True, stop=[" 4"]))
+    last = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+    assert last.finish_reason == "stop" and last.model_extra["exl_finish_reason"] == "stop_string"
+
+
 def test_chat_stream_equals_non_stream(client):
     full = client.chat.completions.create(model="smol", messages=MESSAGES, temperature=0, max_tokens=12)
     chunks = list(client.chat.completions.create(model="smol", messages=MESSAGES, temperature=0, max_tokens=12,
@@ -155,6 +191,101 @@ def test_completion_stream_logprobs_and_echo(client):
     chunks = list(client.completions.create(model="smol", prompt=prompt, temperature=0, max_tokens=8, stream=True,
                                             echo=True))
     assert "".join(c.choices[0].text for c in chunks) == prompt + full.choices[0].text
+
+
+EVAL_TEXT = ("The tower is 324 metres tall, about the same height as an 81-storey building, and the tallest "
+             "structure in Paris. Its base is square, measuring 125 metres on each side.")
+
+
+def test_echo_logprobs_score_the_prompt_like_exl_eval_ppl(client, ref, smollm_dir, tmp_path):
+    """lm-eval's loglikelihood requests: echo + logprobs (+ max_tokens 0 or 1). The prompt tokens' log-probs are
+    the ones `exl eval ppl` averages, on the same tokens."""
+    import subprocess
+    import sys
+
+    _, tok = ref
+    ids = tok.encode(EVAL_TEXT)
+    r = client.completions.create(model="smol", prompt=EVAL_TEXT, max_tokens=0, echo=True, logprobs=3)
+    c = r.choices[0]
+    assert c.text == EVAL_TEXT and c.finish_reason == "length" and r.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids)
+    assert "".join(lp.tokens) == EVAL_TEXT and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [len("".join(lp.tokens[:k])) for k in range(len(ids))]
+    for k in range(1, len(ids)):
+        top = lp.top_logprobs[k]
+        assert lp.tokens[k] in top and top[lp.tokens[k]] == lp.token_logprobs[k]
+        assert 3 <= len(top) <= 4 and max(top.values()) >= lp.token_logprobs[k]
+    # the same numbers as `exl eval ppl` on this text as one window
+    text = tmp_path / "eval.txt"
+    text.write_text(EVAL_TEXT)
+    out = subprocess.run([sys.executable, "-m", "exl.cli", "eval", "ppl", "-m", str(smollm_dir), "--text", str(text),
+                          "--ctx", str(len(ids)), "--json"], capture_output=True, text=True, check=True).stdout
+    ppl = json.loads(out.strip().splitlines()[-1])
+    assert ppl["tokens"] == len(ids) - 1
+    server_nll = -sum(lp.token_logprobs[1:]) / (len(ids) - 1)
+    assert server_nll == pytest.approx(ppl["nll"], rel=1e-5, abs=1e-6)
+    # per token against the in-process forward exl.eval makes
+    from exl.eval import prompt_logprobs
+
+    chosen, tops = prompt_logprobs(ref[0], ids, 3)
+    assert lp.token_logprobs[1:] == pytest.approx(chosen, abs=1e-4)
+    assert [max(t.values()) for t in lp.top_logprobs[1:]] == pytest.approx([t[0][1] for t in tops], abs=1e-4)
+    # lm-eval's request shape: token ids, max_tokens 1, logprobs 1; the echoed part is the same, one token follows
+    r = client.completions.create(model="smol", prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    lp1 = r.choices[0].logprobs
+    assert len(lp1.tokens) == len(ids) + 1 and r.choices[0].text.startswith(EVAL_TEXT)
+    assert lp1.token_logprobs[1:len(ids)] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    assert lp1.text_offset[len(ids)] == len(EVAL_TEXT)
+    # streamed: the echo chunk carries the prompt's log-probs
+    chunks = list(client.completions.create(model="smol", prompt=EVAL_TEXT, max_tokens=0, echo=True, logprobs=2,
+                                            stream=True))
+    assert chunks[0].choices[0].logprobs.token_logprobs == lp.token_logprobs
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_lm_eval_local_completions(env, ref, smollm_dir, tmp_path):
+    """The real lm-eval harness (`pip install -e .[eval]`) scores a small local multiple-choice task through
+    /v1/completions; every loglikelihood it reports equals exl's own forward pass on lm-eval's tokens."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[eval]')")
+    from exl.eval import prompt_logprobs
+
+    task_dir = REPO_TESTS / "lm_eval_task"
+    args = ",".join(["model=smol", f"base_url={env.url}/v1/completions", "tokenizer_backend=huggingface",
+                     f"tokenizer={smollm_dir}", "num_concurrent=2", "max_retries=1", "tokenized_requests=True"])
+    out = tmp_path / "lm_eval_out"
+    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
+                           "--tasks", "exl_tiny_mc", "--include_path", str(task_dir), "--batch_size", "2",
+                           "--output_path", str(out), "--log_samples"],
+                          cwd=task_dir, capture_output=True, text=True, timeout=600, check=False,
+                          env={**os.environ, "OPENAI_API_KEY": env.api_key, "HF_DATASETS_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    samples = [json.loads(line) for f in out.rglob("samples_exl_tiny_mc_*.jsonl") for line in f.read_text().splitlines()]
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]["exl_tiny_mc"]
+    assert len(samples) == 6 and 0 <= results["acc,none"] <= 1
+    import transformers
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(smollm_dir)
+    model, _ = ref
+    correct = 0
+    for sample in samples:
+        lls = []
+        pairs = [sample["arguments"][f"gen_args_{i}"] for i in range(len(sample["arguments"]))]
+        for pair, resp in zip(pairs, sample["resps"]):
+            context, continuation = pair["arg_0"], pair["arg_1"]
+            whole = hf_tok.encode(context + continuation, add_special_tokens=False)
+            n_ctx = len(hf_tok.encode(context, add_special_tokens=False))
+            chosen, _ = prompt_logprobs(model, whole, 0)
+            lls.append(sum(chosen[n_ctx - 1:]))
+            assert float(resp[0][0]) == pytest.approx(lls[-1], abs=1e-3), (context, continuation)
+        assert len(lls) == 4
+        correct += max(range(4), key=lambda i: lls[i]) == int(sample["target"])
+    assert results["acc,none"] == pytest.approx(correct / 6)
 
 
 def test_completion_n_and_seed_reproducible(client):

@@ -271,7 +271,7 @@ def test_body_limit_applies_to_chunked_uploads_too():
         assert client.get("/health").json()["status"] == "no_model"
 
 
-def test_first_start_writes_and_prints_keys_once(tmp_path):
+def test_first_start_writes_and_prints_keys_once(tmp_path, monkeypatch):
     """A real `exl serve` without a model: keys are made on first start, printed, and enforced (that a second
     start reuses them without printing is `test_keys_file_created_once_private_and_reused`)."""
     import httpx
@@ -285,10 +285,14 @@ def test_first_start_writes_and_prints_keys_once(tmp_path):
         return NoKeys(tmp_path / "models", None, tmp_path, log_name=f"run{len(list(tmp_path.glob('*.log')))}")
 
     (tmp_path / "models").mkdir()
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     first = start()
     try:
         first.wait_ready(want=("no_model",), timeout=120)
-        keys = yaml.safe_load((tmp_path / "api_tokens.yml").read_text())
+        path = tmp_path / "config" / "exl" / "api_tokens.yml"  # per user, private; never in the working folder
+        assert not (tmp_path / "api_tokens.yml").exists()
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        keys = yaml.safe_load(path.read_text())
         assert keys["api_key"] in first.log() and keys["admin_key"] in first.log()
         r = httpx.get(first.url + "/v1/models")
         assert r.status_code == 401

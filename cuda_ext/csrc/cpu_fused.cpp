@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cpu_fused.h"
+#include "cpu_isa.h"
 
 namespace exl {
 namespace fused {
@@ -178,8 +179,8 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor
   });
 }
 
-// ---- Vectorizable kernels. Written as plain loops the compiler vectorizes; each is compiled twice
-// (baseline x86-64 and AVX2+FMA, see KERNEL_TABLE) and chosen at run time.
+// ---- Vectorizable kernels. Written as plain loops the compiler vectorizes; each is compiled three
+// times (baseline x86-64, AVX2+FMA and AVX-512, see KERNEL_TABLE) and chosen at run time.
 
 #define EXL_INLINE inline __attribute__((always_inline))
 // Float-to-int conversions and selects in these loops vectorize only when GCC may assume that no
@@ -329,24 +330,27 @@ struct Kernels {
 KERNEL_TABLE(scalar, )
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 KERNEL_TABLE(avx2, __attribute__((target("avx2,fma"))))
-bool has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-const Kernels* avx2_table() { return has_avx2() ? &kavx2 : nullptr; }
+KERNEL_TABLE(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512"))))
+constexpr const Kernels* kAvx2 = &kavx2;
+constexpr const Kernels* kAvx512 = &kavx512;
 #else
-const Kernels* avx2_table() { return nullptr; }
+constexpr const Kernels* kAvx2 = nullptr;
+constexpr const Kernels* kAvx512 = nullptr;
 #endif
 
-// The kernels for isa "auto" (best available), "avx2" or "scalar" (baseline x86-64).
-const Kernels* kernels(const std::string& isa, const char* op) {
-  static const Kernels* avx2 = avx2_table();
-  if (isa == "auto") return avx2 ? avx2 : &kscalar;
-  if (isa == "scalar") return &kscalar;
-  TORCH_CHECK(isa == "avx2", "exl ", op, ": isa must be 'auto', 'avx2' or 'scalar', got '", isa, "'");
-  TORCH_CHECK(avx2, "exl ", op, ": isa 'avx2' is not available on this CPU (use 'auto' or 'scalar')");
-  return avx2;
+// The kernels for an isa of cpu_isa.h ("auto": EXL_CPU_ISA or the best level): the best table this
+// build has at or below that level (the fused ops use no VNNI: avxvnni runs the avx2 table).
+const Kernels* kernels(const std::string& name, const char* op) {
+  isa::Level level;
+  std::string error;
+  TORCH_CHECK(isa::resolve(name, &level, &error), "exl ", op, ": ", error);
+  if (level >= isa::kAvx512Vnni && kAvx512) return kAvx512;
+  if (level >= isa::kAvx2 && kAvx2) return kAvx2;
+  return &kscalar;
 }
+
+// The name of the fused table an isa request runs ("scalar", "avx2" or "avx512").
+std::string fused_isa(const std::string& name) { return kernels(name, "fused_isa")->name; }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                             at::Tensor& v_cache, int64_t layer, int64_t pos, double scale, int64_t window,
@@ -537,4 +541,6 @@ void register_fused(py::module_& m) {
         "Single-query GQA attention of q rows over their keys in a paged [kv_heads, slots, head_dim] store");
   m.def("act_mul", &act_mul, py::arg("gate"), py::arg("up"), py::arg("act"), py::arg("isa") = "auto",
         "act(gate) * up for act in silu, gelu, gelu_tanh, relu; written over gate when gate is contiguous");
+  m.def("fused_isa", &fused_isa, py::arg("isa") = "auto",
+        "The fused-op table an isa request runs: 'scalar', 'avx2' or 'avx512'");
 }

@@ -13,6 +13,7 @@
 
 #include "cpu_kernels.h"
 #include "cpu_fused.h"
+#include "cpu_isa.h"
 #include "cpu_linear.h"
 #include "layer.h"
 
@@ -22,25 +23,12 @@ namespace exl {
 namespace cpu {
 namespace {
 
-bool cpu_has(const char* feature) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  if (std::string(feature) == "avx2")
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (std::string(feature) == "avxvnni") return cpu_has("avx2") && __builtin_cpu_supports("avxvnni");
-  if (std::string(feature) == "avx512vnni")
-    return cpu_has("avx2") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512vnni");
-#endif
-  return false;
-}
-
+// The GEMV tables this build has and this CPU runs (cpu_isa.h), best last.
 std::vector<std::pair<std::string, const Kernels*>> available() {
-  std::vector<std::pair<std::string, const Kernels*>> out = {{"scalar", scalar_kernels()}};
-  if (avx2_kernels() && cpu_has("avx2")) out.push_back({"avx2", avx2_kernels()});
-  if (avxvnni_kernels() && cpu_has("avxvnni")) out.push_back({"avxvnni", avxvnni_kernels()});
-  if (avx512vnni_kernels() && cpu_has("avx512vnni")) out.push_back({"avx512vnni", avx512vnni_kernels()});
+  const Kernels* tables[isa::kLevels] = {scalar_kernels(), avx2_kernels(), avxvnni_kernels(), avx512vnni_kernels()};
+  std::vector<std::pair<std::string, const Kernels*>> out;
+  for (int l = 0; l < isa::kLevels; ++l)
+    if (tables[l] && isa::supported(isa::Level(l))) out.push_back({isa::name(isa::Level(l)), tables[l]});
   return out;
 }
 

@@ -12,9 +12,11 @@ page, the known page (full, or the partial last page of a closed sequence) that 
 prefix and agrees longest with the prompt is copied into the new sequence's first own page, so a
 prompt that repeats an earlier one reuses all of it, not just whole pages.
 
-Admission is by reservation: `open` succeeds only if the pages the sequence may still need (for its
-`max_tokens`) fit beside every other open sequence's reservation, so a running sequence never runs out
-of pages and nothing it holds is ever evicted. Pages are still allocated one at a time, on demand.
+Pages are reserved, then allocated one at a time as a sequence grows: `open` reserves room for
+`max_tokens`, and `reserve` raises a sequence's reservation later, as far as the free and cached pages
+allow beside every other open sequence's reservation (it says False when they do not: the Generator
+then preempts a newer sequence). A reserved page is always there to allocate, and nothing an open
+sequence holds is ever evicted.
 
     cache = PagedCache(model, max_tokens=8192, page_size=256)
     table = cache.open(prompt_ids, max_tokens=len(prompt_ids) + 200)   # None: wait, the cache is full
@@ -162,6 +164,11 @@ class PagedCache:
         return len(self._free)
 
     @property
+    def pages_available(self) -> int:
+        """Pages a new reservation may take now: free or cached, and not reserved by an open sequence."""
+        return len(self._free) + len(self._lru) - self.reserved
+
+    @property
     def max_tokens(self) -> int:
         return self.num_pages * self.page_size
 
@@ -260,6 +267,18 @@ class PagedCache:
             for h in chain_hashes(token_ids, self.page_size)[len(pages) :]:
                 self._pending.setdefault(h, table)
         return table
+
+    def reserve(self, table: PageTable, tokens: int) -> bool:
+        """Make sure the sequence can grow to `tokens` tokens: raise its reservation if the pages are there.
+        False (nothing changes) if they are not, now: other sequences hold or have reserved them."""
+        need = self.pages_for(tokens) - len(table.pages) - table.reserved
+        if need <= 0:
+            return True
+        if need > len(self._free) + len(self._lru) - self.reserved:
+            return False
+        table.reserved += need
+        self.reserved += need
+        return True
 
     def extend(self, table: PageTable, n: int) -> None:
         """Allocate pages so that `n` more tokens fit after table.length."""

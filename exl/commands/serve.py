@@ -29,6 +29,44 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _draining_server_class():
+    import asyncio
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, but the first SIGTERM / SIGINT drains the app (exl.server.drain) before uvicorn shuts down;
+        a second one ends the grace at once."""
+
+        def __init__(self, drain, config):
+            super().__init__(config)
+            self.drain, self._loop, self._draining = drain, None, False
+
+        async def serve(self, sockets=None):
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig, frame):
+            if self._loop is None or self.should_exit:
+                return super().handle_exit(sig, frame)
+            if self._draining:  # a second signal: end the running requests now
+                self._loop.call_soon_threadsafe(self.drain.end_now)
+                return
+            self._draining = True
+
+            async def drain_then_exit():
+                await self.drain.run()
+                super(DrainingServer, self).handle_exit(sig, None)
+
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(drain_then_exit()))
+
+    return DrainingServer
+
+
+def _DrainingServer(drain, config):
+    return _draining_server_class()(drain, config)
+
+
 def run(args) -> int:
     from exl.server.config import load_config, sample_config
 
@@ -57,7 +95,9 @@ def run(args) -> int:
         log.warning("authentication is DISABLED (--disable-auth): %s can generate and load/unload models. Use this "
                     "only on a trusted LAN.", where)
     elif keys.created:
-        print(f"exl serve: new API keys written to {net.api_tokens_file} (shown only this once):\n"
+        from exl.server.auth import tokens_path
+
+        print(f"exl serve: new API keys written to {tokens_path(net)} (shown only this once):\n"
               f"  api_key:   {keys.api_key}\n  admin_key: {keys.admin_key}", file=sys.stderr, flush=True)
     if config.model.name:
         from exl.errors import ExlError
@@ -68,9 +108,9 @@ def run(args) -> int:
         except APIError as e:
             raise ExlError(f"--model {config.model.name!r}: {e.message}") from None
     app = create_app(config, keys)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _DrainingServer(app.state.drain, uvicorn.Config(
         app, host=net.host, port=net.port, log_level=config.logging.level, access_log=config.logging.access_log,
-        timeout_graceful_shutdown=net.shutdown_timeout + 2, lifespan="on"))
+        timeout_graceful_shutdown=10, lifespan="on"))
     log.info("exl serve on http://%s:%d/v1", net.host, net.port)
     server.run()
     return 0 if server.started else 1

@@ -53,6 +53,16 @@ class AsyncGenerator:
         if self._closed:
             raise RuntimeError("AsyncGenerator is closed")
 
+    async def call(self, fn):
+        """Run `fn()` on the worker thread between two generator steps (so it may use the model the generator
+        uses, e.g. to score a prompt) and return its result."""
+        future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._check()
+            self._requests.put(("call", (fn, future)))
+        self._wake.set()
+        return await future
+
     def request_cancel(self, async_job: "AsyncJob") -> None:
         self._requests.put(("cancel", async_job))
         self._wake.set()
@@ -94,6 +104,13 @@ class AsyncGenerator:
                     aj._deliver(e)
             elif kind == "cancel" and id(aj.job) in self._listeners:
                 gen.cancel(aj.job)
+            elif kind == "call":
+                fn, future = aj
+                try:
+                    result, error = fn(), None
+                except Exception as e:  # noqa: BLE001 - raised in the caller
+                    result, error = None, e
+                _resolve(future, result, error)
 
     def _dispatch(self, events) -> None:
         for ev in events:
@@ -135,6 +152,8 @@ class AsyncGenerator:
                 return out
             if kind == "enqueue":
                 out.append(aj)
+            elif kind == "call":
+                _resolve(aj[1], None, RuntimeError("AsyncGenerator closed"))
 
     def _fail_all(self, error: BaseException) -> None:
         """The worker is dying: end every running and still-queued job with an error event, so none hangs."""
@@ -150,6 +169,19 @@ class AsyncGenerator:
         for aj in list(self._listeners.values()) + pending:
             aj._deliver(_error_event(aj.job, message))
         self._listeners.clear()
+
+
+def _resolve(future: asyncio.Future, result, error) -> None:
+    """Complete a caller's future from the worker thread."""
+
+    def done():
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    try:
+        future.get_loop().call_soon_threadsafe(done)
+    except RuntimeError:  # the caller's loop is closed
+        pass
 
 
 def _error_event(job: Job, message: str) -> Event:

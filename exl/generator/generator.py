@@ -1,8 +1,12 @@
 """The dynamic generator: many jobs share one model and one paged cache, advanced together.
 
 Each `iterate()`:
-  1. admits waiting jobs while the batch has room and the cache can reserve their pages (reusing any
-     cached prefix pages; a job whose prefix is being written by a running job waits for it),
+  1. admits waiting jobs while the batch has room and the cache has pages for their prompts (reusing any
+     cached prefix pages; a job whose prefix is being written by a running job waits for it). Pages are
+     taken as sequences grow, not for the whole `max_new_tokens` up front; when the cache runs out, the
+     newest job is preempted: it gives its pages back (its full pages stay cached for reuse), keeps its
+     tokens and sampler state, and is queued first to be prefilled again and go on where it stopped. The
+     oldest job can always go on (validate() checks that every job alone fits the cache), so all finish,
   2. proposes draft tokens for decoding jobs (draft model or n-gram lookup) when speculation is on,
   3. runs ONE forward pass over a packed batch: the next prompt chunk of jobs in prefill (up to
      `max_chunk_size` prompt tokens in all) and the next token (plus drafts) of every decoding job,
@@ -15,6 +19,7 @@ Each `iterate()`:
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections import deque
@@ -40,6 +45,10 @@ class _Run:
         self.buf[:n] = job.input_ids
         self.n = n  # tokens in the sequence (prompt + generated)
         self.prompt_len = n
+        self.order = next(gen._arrivals)  # arrival: the newest running job is preempted first
+        self.prefill_end = n  # tokens to prefill: the prompt, or after a preemption the sequence minus its last
+        self.resumed = False  # prefilling again after a preemption (no token is sampled at the end)
+        self.preemptions = 0
         self.table = self.draft_table = None
         self.seed = job.seed if job.seed is not None else random.SystemRandom().randrange(2**63)
         job.seed = self.seed
@@ -124,9 +133,11 @@ class Generator:
         self.num_draft_tokens = int(num_draft_tokens)
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
+        self._arrivals = itertools.count()
         self._backlog: list[Event] = []
         self._finished_now: list[Job] = []
-        self.stats = {"forward_passes": 0, "drafted": 0, "accepted": 0, "prefill_tokens": 0, "decode_steps": 0}
+        self.stats = {"forward_passes": 0, "drafted": 0, "accepted": 0, "prefill_tokens": 0, "decode_steps": 0,
+                      "preemptions": 0}
 
     # -- public API -----------------------------------------------------------------------------------------------
 
@@ -137,6 +148,11 @@ class Generator:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_preempted(self) -> int:
+        """Waiting jobs that ran before and were preempted (they go on when pages are free again)."""
+        return sum(1 for j in list(self.waiting) if j._run.preemptions)  # list(): a snapshot (other threads read)
 
     @property
     def speculative(self) -> bool:
@@ -255,44 +271,47 @@ class Generator:
         while self.waiting and len(self.running) < self.max_batch_size:
             job = self.waiting.popleft()
             run = job._run
-            if self.cache.pending_prefix(job.input_ids):
+            ids = run.ids[: run.prefill_end].tolist()
+            if self.cache.pending_prefix(ids):
                 blocked.append(job)  # a running job is writing pages this prompt can reuse: wait for them
                 continue
-            total = _stored_tokens(job)
-            table = self.cache.open(job.input_ids, total)
+            first = run.prefill_end + 1  # room for the prompt and the first step after it; more as it grows
+            headroom = min(len(self.running), max(1, self.cache.num_pages // 8))  # room for running jobs to grow:
+            if self.cache.pages_available < self.cache.pages_for(first) + headroom:  # no admit-preempt churn
+                self.waiting.appendleft(job)
+                break
+            table = self.cache.open(ids, first)
             if table is None:
                 self.waiting.appendleft(job)
                 break
             if self.draft_cache is not None:
-                dtable = self.draft_cache.open(job.input_ids, total, announce=False)
+                dtable = self.draft_cache.open(ids, first, announce=False)
                 if dtable is None:
                     self.cache.close(table, share=False)
                     self.waiting.appendleft(job)
                     break
                 run.draft_table = dtable
             run.table = table
-            run.cached_tokens = table.length
+            if not run.resumed:
+                run.cached_tokens = table.length
             job.status = "prefill"
             self.running.append(job)
         for job in reversed(blocked):
             self.waiting.appendleft(job)
 
     def _step(self) -> None:
+        chunks = self._make_room()
         prefill = [j for j in self.running if j.status == "prefill"]
         decode = [j for j in self.running if j.status == "decode"]
         drafts = self._propose(decode) if self.speculative else {}
         segments = []  # (job, token ids, kind)
         for j in decode:
             segments.append((j, [j._run.last] + drafts.get(j, ([], None))[0], "decode"))
-        budget = self.max_chunk_size
         for j in prefill:
-            run = j._run
-            start = run.table.length
-            n = min(run.prompt_len - start, budget)
-            if n <= 0:
-                break
-            budget -= n
-            segments.append((j, run.ids[start : start + n].tolist(), "prefill"))
+            n = chunks.get(j, 0)
+            if n > 0:
+                start = j._run.table.length
+                segments.append((j, j._run.ids[start : start + n].tolist(), "prefill"))
         if not segments:
             return
         logits, best = self._forward(segments)
@@ -304,6 +323,53 @@ class Generator:
             if j.status == "done":
                 self._finished_now.append(j)
 
+    def _make_room(self) -> dict:
+        """Reserve the pages this step needs, oldest job first: a decoding job's next token (and drafts), a
+        prefilling job's next chunk (the chunk budget also goes oldest first). When the cache is full, the
+        newest running job is preempted until the pages are there (or the job itself was the newest).
+        Returns each prefilling job's chunk size."""
+        budget, chunks = self.max_chunk_size, {}
+        k = self.num_draft_tokens if self.speculative else 0
+        for j in sorted(self.running, key=lambda j: j._run.order):
+            if j not in self.running:  # preempted for an older job
+                continue
+            run = j._run
+            total = _stored_tokens(j)
+            if j.status == "decode":
+                want, draft_want = min(run.table.length + 1 + k, total), min(run.n + k, total)
+            else:
+                n = min(run.prefill_end - run.table.length, budget)
+                if n <= 0:
+                    continue
+                want, draft_want = run.table.length + n, 0
+            while not (self.cache.reserve(run.table, want) and (
+                    run.draft_table is None or self.draft_cache.reserve(run.draft_table, draft_want))):
+                victim = max(self.running, key=lambda v: v._run.order)
+                self._preempt(victim)
+                if victim is j:
+                    break
+            else:
+                if j.status == "prefill":
+                    chunks[j] = n
+                    budget -= n
+        return chunks
+
+    def _preempt(self, job: Job) -> None:
+        """Take a running job off the cache: its pages go back (full ones stay cached, so resuming reuses what is
+        not evicted meanwhile), its tokens and state stay; it waits first in line to be prefilled again."""
+        run = job._run
+        self.cache.close(run.table, share=True)
+        if run.draft_table is not None:
+            self.draft_cache.close(run.draft_table, share=True)
+        run.table = run.draft_table = None
+        self.running.remove(job)
+        if job.status == "decode":  # the last token is not in the cache yet: it is fed by the next decode step
+            run.prefill_end, run.resumed = run.n - 1, True
+        job.status = "waiting"
+        run.preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(job)
+
     def _consume(self, j: Job, toks: list[int], kind: str, lg, drafts: dict, top=None) -> None:
         """Take one segment's forward-pass results: commit its K/V, sample (and verify drafts). top: each logits
         row's argmax where its largest logit is finite (else None), for plain greedy jobs."""
@@ -311,8 +377,11 @@ class Generator:
         if kind == "prefill":
             self.cache.commit(run.table, toks, share=True)
             self.stats["prefill_tokens"] += len(toks)
-            if run.table.length == run.prompt_len:
+            if run.table.length == run.prefill_end:
                 j.status = "decode"
+                if run.resumed:  # back where it was preempted: the next step feeds its last token
+                    run.resumed = False
+                    return
                 run.t_first = time.perf_counter()
                 self._advance(j, lg[-1], top[-1] if top else None)
         else:
@@ -339,7 +408,7 @@ class Generator:
         for j, toks, kind in segments:
             n = len(toks)
             if kind == "prefill":
-                if j._run.table.length + n == j._run.prompt_len:
+                if j._run.table.length + n == j._run.prefill_end and not j._run.resumed:
                     spans.append((len(rows), 1))
                     rows.append(offset + n - 1)
                 else:

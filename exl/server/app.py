@@ -12,6 +12,7 @@ import exl
 from exl.server import errors, routes
 from exl.server.auth import Keys
 from exl.server.config import ServerConfig
+from exl.server.drain import Drain
 from exl.server.manager import ModelManager
 from exl.server.metrics import Metrics
 
@@ -92,6 +93,7 @@ def create_app(config: ServerConfig, keys: Keys) -> FastAPI:
     app.state.keys = keys
     app.state.manager = manager
     app.state.metrics = Metrics(manager)
+    app.state.drain = Drain(config.network.shutdown_grace)
     errors.install(app)
     app.include_router(routes.public)
     app.include_router(routes.user)

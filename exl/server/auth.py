@@ -37,16 +37,30 @@ def _new_key() -> str:
     return secrets.token_hex(16)
 
 
+def user_config_dir() -> Path:
+    """exl's per-user configuration folder: $XDG_CONFIG_HOME/exl, else ~/.config/exl."""
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "exl"
+
+
+def tokens_path(net: NetworkConfig, base_dir: Path | None = None) -> Path:
+    """Where the keys file is: network.api_tokens_file if set, else the per-user config folder (keys stay out of
+    the working folder, where `git add .` could pick them up)."""
+    if net.api_tokens_file:
+        path = Path(net.api_tokens_file).expanduser()
+        return base_dir / path if base_dir is not None and not path.is_absolute() else path
+    return user_config_dir() / "api_tokens.yml"
+
+
 def load_keys(net: NetworkConfig, base_dir: Path | None = None) -> Keys:
-    """The keys in force: flags override api_tokens.yml, which is created (mode 0600) when missing."""
+    """The keys in force: flags override the keys file (`tokens_path`), which is created (mode 0600, in a 0700
+    folder) when missing."""
     if net.disable_auth:
         return Keys(net.api_key, net.admin_key, disabled=True)
     api_key, admin_key = net.api_key, net.admin_key
     if api_key and admin_key:
         return Keys(api_key, admin_key)
-    path = Path(net.api_tokens_file)
-    if base_dir is not None and not path.is_absolute():
-        path = base_dir / path
+    path = tokens_path(net, base_dir)
     created = False
     if path.is_file():
         try:
@@ -60,7 +74,7 @@ def load_keys(net: NetworkConfig, base_dir: Path | None = None) -> Keys:
     else:
         data = {"api_key": _new_key(), "admin_key": _new_key()}
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write("# exl serve API keys. api_key: generation; admin_key: also model load/unload.\n")

@@ -6,6 +6,7 @@ import json
 import secrets
 import time
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -151,7 +152,7 @@ class ChatRun:
         if self.tool_mode == "forced":
             self.prefill = tools.prefix(lm.tool_format)
             forced_schema = tools.call_schema(self.tool_dicts, lm.tool_format, forced_name)
-        self.ids = lm.tokenizer.encode(self.prompt + self.prefill, add_bos=False)
+        self.ids = engine.encode_prompt(lm, self.prompt + self.prefill, "messages", add_bos=False)
         requested = req.max_completion_tokens or req.max_tokens
         max_tokens = engine.max_new_tokens(req, len(self.ids), lm, config.sampling, requested)
         constraint = engine.constraint_for(req, lm, forced_schema)
@@ -180,10 +181,11 @@ class ChatRun:
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     state = request.app.state
     arrival = time.perf_counter()
+    state.drain.check()
     lm = state.manager.require(req.model)
-    run = ChatRun(req, lm, state.config)
+    run = await anyio.to_thread.run_sync(ChatRun, req, lm, state.config)  # template + tokenizer: off the loop
     timing = Timing(state.metrics, arrival)
-    events = engine.run_jobs(lm, run.jobs, state.metrics, timing)
+    events = engine.run_jobs(lm, run.jobs, state.metrics, timing, state.drain)
     if req.stream:
         return sse_response(_stream(run, events, timing), state.config)
     results = {i: ChoiceResult(i, prompt_tokens=len(run.ids)) for i in range(req.n)}
@@ -191,13 +193,18 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         await engine.collect(request, events, results)
     except ClientGone:
         return Response(status_code=499)
+    except APIError as e:  # shut down mid-way: what was generated, cut ("length", exl_finish_reason "shutdown")
+        if not engine.is_shutdown(e) or not any(r.token_ids for r in results.values()):
+            raise
+        engine.end_for_shutdown(results)
     choices = []
     for i in range(req.n):
         r = results[i]
         content, calls = run.split(r.text)
         choice = {"index": i, "message": {"role": "assistant", "content": content,
                                           "tool_calls": [c.as_dict() for c in calls] or None},
-                  "logprobs": None, "finish_reason": _finish(r.finish_reason, calls)}
+                  "logprobs": None, "finish_reason": _finish(r.finish_reason, calls),
+                  "exl_finish_reason": r.exl_finish_reason}
         if req.logprobs:
             choice["logprobs"] = {"content": token_logprobs(lm, r.token_ids, r.logprobs, r.top_logprobs, run.top_n)}
         if req.return_token_ids:
@@ -265,7 +272,8 @@ async def _stream(run: ChatRun, events, timing):
                     yield chunk([{"index": i, "delta": {"tool_calls": deltas}, "logprobs": None,
                                   "finish_reason": None}])
                 finish[i] = _finish(r.finish_reason, calls)
-                yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish[i]}])
+                yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish[i],
+                              "exl_finish_reason": r.exl_finish_reason}])
         use = run.usage(list(results.values()), timing)
         if include_usage:
             yield chunk([], use)
@@ -273,4 +281,11 @@ async def _stream(run: ChatRun, events, timing):
                            [r.text for r in results.values()])
         yield "[DONE]"
     except APIError as e:
+        shutdown = engine.is_shutdown(e)
+        if shutdown:  # every open choice gets its end, then the error says why
+            for i in engine.end_for_shutdown(results):
+                yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": "length",
+                              "exl_finish_reason": "shutdown"}])
         yield json.dumps(e.body())
+        if shutdown:
+            yield "[DONE]"

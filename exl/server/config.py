@@ -44,12 +44,13 @@ class NetworkConfig(_Section):
     disable_auth: bool = _opt("--disable-auth", "accept requests without a key (only on a trusted LAN!)", False)
     api_key: str | None = _opt("--api-key", "the user key (overrides api_tokens.yml; for scripts and tests)")
     admin_key: str | None = _opt("--admin-key", "the admin key for model load/unload (overrides api_tokens.yml)")
-    api_tokens_file: str = _opt("--api-tokens-file", "YAML file with api_key and admin_key; created with random "
-                                "keys on first start", "api_tokens.yml")
+    api_tokens_file: str | None = _opt("--api-tokens-file", "YAML file with api_key and admin_key, created (mode "
+                                       "0600) with random keys on first start; default: $XDG_CONFIG_HOME/exl/"
+                                       "api_tokens.yml (~/.config/exl/api_tokens.yml)")
     max_request_bytes: int = _opt("--max-request-bytes", "largest request body accepted (HTTP 413 above)",
                                   8 * 1024 * 1024, ge=1024)
-    shutdown_timeout: float = _opt("--shutdown-timeout", "on Ctrl-C / SIGTERM, seconds running requests get to "
-                                   "finish before they are cancelled", 10.0, ge=0)
+    shutdown_grace: float = _opt("--shutdown-grace", "on Ctrl-C / SIGTERM, seconds running requests get to "
+                                 "finish (new ones get 503) before they are ended with an error event", 30.0, ge=0)
     cors_origins: list[str] = _opt("--cors-origins", "browser origins allowed to call the API (e.g. "
                                    "http://localhost:3000; '*' for any); empty: no CORS headers", [])
 

@@ -17,16 +17,22 @@ from typing import AsyncIterator
 
 import anyio
 
+from exl.server.drain import SHUTTING_DOWN, shutting_down
 from exl.server.errors import APIError, bad_request
 from exl.server.manager import LoadedModel
 from exl.server.schemas import MAX_STOP, SamplingRequest
 
 log = logging.getLogger("exl.server")
 
-# OpenAI has no "error" finish reason: a job the generator ended on a per-job error (e.g. a constraint
-# the tokenizer cannot satisfy) is reported as "stop" with the text it produced, and logged.
+# finish_reason takes OpenAI's values only; exl's own reason (the generator's eos_reason, or "shutdown") goes in
+# `exl_finish_reason`. A job cut short (model unloaded, server shutting down) is "length": its output is
+# incomplete. A job that failed ("error") is never reported as finished: the request gets an error instead.
 FINISH = {"stop_token": "stop", "stop_string": "stop", "constraint": "stop", "max_new_tokens": "length",
-          "cancelled": "cancelled", "error": "stop"}
+          "cancelled": "length", "shutdown": "length"}
+
+
+def finish_reason(eos_reason: str | None) -> str:
+    return FINISH.get(eos_reason or "", "stop")
 
 
 @dataclass
@@ -49,6 +55,7 @@ class ChoiceResult:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
+    exl_finish_reason: str | None = None
     cached_tokens: int = 0
     new_tokens: int = 0
     time_to_first_token: float | None = None
@@ -62,7 +69,8 @@ class ChoiceResult:
         if event.top_logprobs:
             self.top_logprobs += list(event.top_logprobs)
         if event.eos:
-            self.finish_reason = FINISH.get(event.eos_reason or "", "stop")
+            self.finish_reason = finish_reason(event.eos_reason)
+            self.exl_finish_reason = event.eos_reason
             self.cached_tokens = event.cached_tokens or 0
             self.new_tokens = event.new_tokens if event.new_tokens is not None else len(self.token_ids)
             if event.prompt_tokens is not None:
@@ -182,6 +190,17 @@ def constraint_for(req: SamplingRequest, lm: LoadedModel, forced_schema: dict | 
     return None
 
 
+def encode_prompt(lm: LoadedModel, text: str, param: str, **kw) -> list[int]:
+    """Token ids of a prompt; a text certainly longer than the context is refused before it is tokenized (400),
+    so a huge request costs neither the tokenizer's time nor its memory. Call it off the event loop."""
+    least = lm.tokenizer.min_tokens(text)
+    if least > lm.max_seq_len:
+        raise bad_request(f"{param}: the prompt is {len(text)} characters, at least {least} tokens; this model's "
+                          f"context is {lm.max_seq_len} tokens. Shorten the prompt.", param,
+                          code="context_length_exceeded")
+    return lm.tokenizer.encode(text, **kw)
+
+
 def max_new_tokens(req: SamplingRequest, prompt_len: int, lm: LoadedModel, defaults,
                    requested: int | None = None) -> int:
     """max_tokens, bounded by the context: 400 if the prompt (plus an explicit max_tokens) does not fit."""
@@ -258,8 +277,10 @@ def make_jobs(lm: LoadedModel, specs: list[ChoiceSpec]) -> list:
     return jobs
 
 
-async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing") -> AsyncIterator[tuple]:
-    """Run jobs on the shared generator; yield (job identifier, event). Cancels every unfinished job on exit."""
+async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing", drain=None) -> AsyncIterator[tuple]:
+    """Run jobs on the shared generator; yield (job identifier, event). Cancels every unfinished job on exit.
+    drain (exl.server.drain.Drain): counts this request as running; when its shutdown grace is over, raises 503
+    `server_shutting_down`."""
     from exl.generator import AsyncJob
 
     if lm.async_generator is None or lm.jobs is None:
@@ -282,6 +303,8 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing") -> As
     tasks = []
     getter = None
     ended: set = set()
+    if drain is not None:
+        drain.enter()
     try:
         for job in jobs:
             index = job.identifier
@@ -297,7 +320,10 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing") -> As
             # Wait for the next event, but notice a generator whose worker thread died: jobs it had not picked
             # up yet would otherwise wait forever.
             getter = getter or asyncio.ensure_future(queue.get())
-            done, _ = await asyncio.wait({getter}, timeout=1.0)
+            done, _ = await asyncio.wait({getter}, timeout=0.25 if drain is not None and drain.draining else 1.0)
+            if drain is not None and drain.expired:
+                raise shutting_down("the server is shutting down: the shutdown grace period (network.shutdown_grace) "
+                                    "ended before this request finished")
             if not done:
                 dead = getattr(async_generator, "error", None)
                 if dead is not None:
@@ -318,10 +344,13 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing") -> As
             if event.eos:
                 ended.add(index)
                 if event.eos_reason == "error":
-                    log.warning("choice %d ended early on a generator error: %s", index,
-                                getattr(event, "error", None) or "unknown")
-                finish = FINISH.get(event.eos_reason or "", "stop")
-                metrics.requests.labels(finish).inc()
+                    message = getattr(event, "error", None) or "unknown error"
+                    log.warning("choice %d failed in the generator: %s", index, message)
+                    metrics.requests.labels("error").inc()
+                    raise APIError(500, f"generation of choice {index} failed: {message}", "server_error",
+                                   code="generation_failed")
+                reason = event.eos_reason if event.eos_reason in ("cancelled", "shutdown") else None
+                metrics.requests.labels(reason or finish_reason(event.eos_reason)).inc()
                 metrics.generation_tokens.inc(event.new_tokens or 0)
                 metrics.prompt_tokens.inc(max(0, (event.prompt_tokens or 0) - (event.cached_tokens or 0)))
                 metrics.cached_tokens.inc(event.cached_tokens or 0)
@@ -344,6 +373,8 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing") -> As
                 task.cancel()
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
+            if drain is not None:
+                drain.leave()
 
 
 def _finished(async_job) -> bool:
@@ -364,6 +395,18 @@ def _generation_error(e: Exception) -> APIError:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # collecting, usage
+
+
+def is_shutdown(e: Exception) -> bool:
+    return isinstance(e, APIError) and e.code == SHUTTING_DOWN
+
+
+def end_for_shutdown(results: dict) -> list[int]:
+    """Mark every unfinished choice as cut by the shutdown; returns their indices."""
+    cut = [i for i, r in results.items() if r.finish_reason is None]
+    for i in cut:
+        results[i].finish_reason, results[i].exl_finish_reason = "length", "shutdown"
+    return cut
 
 
 class ClientGone(Exception):

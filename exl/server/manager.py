@@ -152,6 +152,8 @@ class ModelManager:
         total = getattr(cache, "num_pages", 0)
         used = getattr(cache, "pages_in_use", 0)
         return {"loaded": 1, "running": getattr(gen, "num_running", 0), "waiting": getattr(gen, "num_waiting", 0),
+                "preempted": getattr(gen, "num_preempted", 0),
+                "preemptions": getattr(gen, "stats", {}).get("preemptions", 0),
                 "pages_in_use": used, "pages_total": total, "cache_usage": used / total if total else 0.0}
 
     # -- load / unload ----------------------------------------------------------------------------------------

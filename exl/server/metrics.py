@@ -7,7 +7,7 @@ are read from the generator and cache at scrape time.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # no *_created samples: they only clutter the output
 
@@ -29,7 +29,10 @@ class _LiveGauges:
         s = self.manager.stats()
         for name, help_, key in (
             ("exl_num_requests_running", "requests being decoded now", "running"),
-            ("exl_num_requests_waiting", "requests queued for a batch slot or cache pages", "waiting"),
+            ("exl_num_requests_waiting", "requests queued for a batch slot or cache pages (preempted ones too)",
+             "waiting"),
+            ("exl_num_requests_preempted", "waiting requests that ran and were preempted when the cache was full "
+             "(they keep their tokens and go on when pages are free)", "preempted"),
             ("exl_cache_pages_in_use", "KV-cache pages held by requests", "pages_in_use"),
             ("exl_cache_pages_total", "KV-cache pages in all", "pages_total"),
             ("exl_cache_usage_ratio", "fraction of KV-cache pages in use (0 to 1)", "cache_usage"),
@@ -38,6 +41,9 @@ class _LiveGauges:
             g = GaugeMetricFamily(name, help_)
             g.add_metric([], float(s.get(key, 0) or 0))
             yield g
+        c = CounterMetricFamily("exl_preemptions", "times a running request was preempted to free cache pages")
+        c.add_metric([], float(s.get("preemptions", 0) or 0))
+        yield c
 
 
 class Metrics:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import anyio
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.security import APIKeyHeader, HTTPBearer
@@ -71,6 +72,7 @@ async def get_model(request: Request):
 @admin.post("/v1/model/load", response_model=ModelCard, tags=["admin"],
             summary="Load a model from the model directory (unloads the current one)")
 async def load_model(req: ModelLoadRequest, request: Request):
+    request.app.state.drain.check()
     options = req.model_dump(exclude={"name"}, exclude_none=True)
     loaded = await request.app.state.manager.load(req.name, **options)
     return ModelCard(**loaded.card())
@@ -85,21 +87,24 @@ async def unload_model(request: Request):
 @user.post("/v1/token/encode", response_model=TokenEncodeResponse, tags=["tokens"], summary="Text to token ids")
 async def encode(req: TokenEncodeRequest, request: Request):
     lm = request.app.state.manager.require(None)
+    ids = await anyio.to_thread.run_sync(_encode, req, lm)
+    return {"tokens": ids, "length": len(ids)}
+
+
+def _encode(req: TokenEncodeRequest, lm) -> list[int]:
     tok = lm.tokenizer
     if isinstance(req.text, str):
-        ids = tok.encode(req.text, add_bos=req.add_bos_token, special=req.encode_special_tokens)
-    else:
-        from exl.tokenizer import ChatTemplateError
+        return tok.encode(req.text, add_bos=req.add_bos_token, special=req.encode_special_tokens)
+    from exl.tokenizer import ChatTemplateError
 
-        if not req.text:
-            raise bad_request("text: give a string or at least one message", "text")
-        try:
-            prompt = tok.apply_chat_template(template_messages(req.text), add_generation_prompt=req.add_generation_prompt,
-                                             template=lm.chat_template)
-        except ChatTemplateError as e:
-            raise bad_request(str(e), "text", code="chat_template_error") from None
-        ids = tok.encode(prompt, add_bos=False, special=True)
-    return {"tokens": ids, "length": len(ids)}
+    if not req.text:
+        raise bad_request("text: give a string or at least one message", "text")
+    try:
+        prompt = tok.apply_chat_template(template_messages(req.text), add_generation_prompt=req.add_generation_prompt,
+                                         template=lm.chat_template)
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "text", code="chat_template_error") from None
+    return tok.encode(prompt, add_bos=False, special=True)
 
 
 @user.post("/v1/token/decode", response_model=TokenDecodeResponse, tags=["tokens"], summary="Token ids to text")
@@ -108,13 +113,18 @@ async def decode(req: TokenDecodeRequest, request: Request):
     bad = [t for t in req.tokens if not 0 <= t < lm.tokenizer.vocab_size]
     if bad:
         raise bad_request(f"token ids must be in [0, {lm.tokenizer.vocab_size}), got {bad[:5]}", "tokens")
-    return {"text": lm.tokenizer.decode(req.tokens, skip_special=not req.decode_special_tokens)}
+    text = await anyio.to_thread.run_sync(lambda: lm.tokenizer.decode(req.tokens,
+                                                                       skip_special=not req.decode_special_tokens))
+    return {"text": text}
 
 
 @public.get("/health", response_model=Health, tags=["status"], summary="Liveness (no key needed)",
             responses={503: {"model": Health}})
 async def health(request: Request):
     manager = request.app.state.manager
+    if request.app.state.drain.draining:
+        return JSONResponse(Health(status="shutting_down", model=getattr(manager.current, "name", None))
+                            .model_dump(), status_code=503)
     if manager.loading:
         return Health(status="loading", model=manager.loading)
     current = manager.current

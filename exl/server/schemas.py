@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from exl.server.config import CacheMode
 
@@ -25,6 +26,45 @@ class _Request(BaseModel):
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+def bad_text(value, where: str = "") -> str | None:
+    """Where `value` (a parsed JSON body) holds a string that is not valid Unicode, and why; None if all are.
+
+    JSON may escape lone UTF-16 surrogates ("\\ud800"), which no tokenizer or UTF-8 encoder accepts."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return (f"{where or 'body'}: lone UTF-16 surrogate U+{ord(value[e.start]):04X} at character {e.start}; "
+                    f"text must be valid Unicode (escapes \\ud800-\\udfff only as high-low pairs)")
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            path = f"{where}.{k}" if where else str(k)
+            found = bad_text(k, f"{where or 'body'} (a key)") or bad_text(v, path)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = bad_text(v, f"{where}[{i}]")
+            if found:
+                return found
+    return None
+
+
+class _CheckedRequest(_Request):
+    """A request body whose strings are checked to be valid Unicode before anything else (400 with where)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        found = bad_text(data)
+        if found:
+            raise PydanticCustomError("invalid_unicode", found)
+        return data
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -59,7 +99,7 @@ class JsonSchemaFormat(_Request):
 ResponseFormat = Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat], Field(discriminator="type")]
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(_CheckedRequest):
     """Fields every generation request takes."""
 
     model: str | None = Field(None, description="the loaded model's name (see GET /v1/models)", max_length=1024)
@@ -228,7 +268,9 @@ class ChatChoice(_Body):
     index: int
     message: ResponseMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "content_filter"] | None = None
+    exl_finish_reason: str | None = Field(None, description="exl's own reason: stop_token, stop_string, constraint, "
+                                          "max_new_tokens, cancelled (model unloaded), shutdown")
     token_ids: list[int] | None = Field(None, description="with return_token_ids: the generated ids")
 
 
@@ -259,7 +301,9 @@ class ChatChunkChoice(_Body):
     index: int
     delta: ChatDelta
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "content_filter"] | None = None
+    exl_finish_reason: str | None = Field(None, description="exl's own reason: stop_token, stop_string, constraint, "
+                                          "max_new_tokens, cancelled (model unloaded), shutdown")
 
 
 class ChatCompletionChunk(_Body):
@@ -276,11 +320,14 @@ class ChatCompletionChunk(_Body):
 
 
 class CompletionRequest(SamplingRequest):
+    max_tokens: int | None = Field(None, ge=0, description="tokens to generate at most (default: up to the context "
+                                   "limit); 0 generates nothing: with echo and logprobs, the prompt is only scored")
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="a prompt, several prompts, or token ids (one list or a list of lists)")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="return this many top log-probs "
                                  "per token (0: only the chosen token's)")
-    echo: bool = False
+    echo: bool = Field(False, description="put the prompt before the completion; with logprobs also the prompt "
+                       "tokens' log-probabilities (the first token's is null)")
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
@@ -296,7 +343,9 @@ class CompletionChoice(_Body):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "content_filter"] | None = None
+    exl_finish_reason: str | None = Field(None, description="exl's own reason: stop_token, stop_string, constraint, "
+                                          "max_new_tokens, cancelled (model unloaded), shutdown")
     token_ids: list[int] | None = Field(None, description="with return_token_ids: the generated ids")
     prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids: this prompt's ids")
 
@@ -340,7 +389,7 @@ class DraftLoadOptions(_Request):
     ngram: bool | None = None
 
 
-class ModelLoadRequest(_Request):
+class ModelLoadRequest(_CheckedRequest):
     name: str = Field(..., min_length=1, max_length=1024, description="a model folder inside the model directory")
     max_seq_len: int | None = Field(None, ge=16, le=10_000_000)
     cache_size: int | None = Field(None, ge=16, le=100_000_000)
@@ -354,7 +403,7 @@ class UnloadResponse(_Body):
     unloaded: str | None = None
 
 
-class TokenEncodeRequest(_Request):
+class TokenEncodeRequest(_CheckedRequest):
     text: str | list[ChatMessage] = Field(..., description="text, or chat messages rendered with the chat template")
     add_bos_token: bool | None = Field(None, description="add BOS (default: the model's choice; never for messages)")
     encode_special_tokens: bool = Field(True, description="read special-token text such as <|im_end|> as the "
@@ -377,7 +426,7 @@ class TokenDecodeResponse(_Body):
 
 
 class Health(_Body):
-    status: Literal["ok", "loading", "no_model", "unhealthy"]
+    status: Literal["ok", "loading", "no_model", "unhealthy", "shutting_down"]
     model: str | None = None
     detail: str | None = None
 

@@ -8,8 +8,8 @@ from sse_starlette.sse import EventSourceResponse
 def sse_response(events, config) -> EventSourceResponse:
     """Stream `events` (JSON strings; "[DONE]" last) as `data: ...` lines.
 
-    A client that disconnects cancels the iterator (and so its generator jobs). On shutdown a running
-    stream gets `network.shutdown_timeout` seconds to finish before it is cancelled the same way.
+    A client that disconnects cancels the iterator (and so its generator jobs). Shutdown is handled before
+    uvicorn's (exl.server.drain): streams have ended by the time sse-starlette would cancel them.
     """
     return EventSourceResponse(events, ping=15, sep="\n",
-                               shutdown_grace_period=config.network.shutdown_timeout)
+                               shutdown_grace_period=5)
