@@ -14,6 +14,7 @@
 #include "cpu_kernels.h"
 #include "cpu_fused.h"
 #include "cpu_isa.h"
+#include "cpu_linear.h"
 #include "layer.h"
 
 namespace py = pybind11;
@@ -29,17 +30,6 @@ std::vector<std::pair<std::string, const Kernels*>> available() {
   for (int l = 0; l < isa::kLevels; ++l)
     if (tables[l] && isa::supported(isa::Level(l))) out.push_back({isa::name(isa::Level(l)), tables[l]});
   return out;
-}
-
-const Kernels* kernels_named(const std::string& name) {
-  const auto all = available();
-  if (name.empty() || name == "auto") return all.back().second;
-  for (const auto& [n, k] : all)
-    if (n == name) return k;
-  std::string names;
-  for (const auto& [n, k] : all) names += " " + n;
-  TORCH_CHECK(false, "exl CPU kernels: instruction set '", name, "' is not available here (available:", names,
-              "); set EXL_CPU_ISA to one of these or unset it");
 }
 
 std::vector<std::string> isa_names() {
@@ -66,7 +56,7 @@ Path parse_path(const std::string& s) {
   TORCH_CHECK(false, "exl QuantLinear: unknown path '", s, "' (expected auto, int8, fp32 or gemm)");
 }
 
-class QuantLinearCPU {
+class QuantLinearCPU : public LinearCPU {
  public:
   QuantLinearCPU(at::Tensor qweight, at::Tensor qscale, at::Tensor qmeta, c10::optional<at::Tensor> perm,
                  c10::optional<at::Tensor> su, c10::optional<at::Tensor> sv, c10::optional<at::Tensor> bias,
@@ -90,8 +80,8 @@ class QuantLinearCPU {
     layer_.segs = spec.segs;
   }
 
-  int64_t in_features() const { return layer_.K; }
-  int64_t out_features() const { return layer_.N; }
+  int64_t in_features() const override { return layer_.K; }
+  int64_t out_features() const override { return layer_.N; }
   std::string isa() const { return kernels_->name; }
   void set_isa(const std::string& name) { kernels_ = kernels_named(name); }
 
@@ -103,7 +93,7 @@ class QuantLinearCPU {
     return out;
   }
 
-  at::Tensor forward(const at::Tensor& x, const std::string& path, int64_t gemm_min_rows, bool exact) {
+  at::Tensor forward(const at::Tensor& x, const std::string& path, int64_t gemm_min_rows, bool exact) override {
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat,
                 "exl QuantLinear (CPU kernels): input must be a float32 CPU tensor, got ", x.scalar_type(), " on ",
                 x.device());
@@ -134,11 +124,7 @@ class QuantLinearCPU {
     if (su_.defined()) {
       float* r = scratch<float>(buf, used, size_t(M) * K);
       std::copy(u, u + M * K, r);
-      const uint8_t* s = su_.data_ptr<uint8_t>();
-      const int64_t hb = hadamard_block(K);
-      at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
-        kernels_->fwht(r + m0 * K, m1 - m0, K, K, hb, s, true);
-      });
+      rotate_rows(kernels_, r, M, K, su_.data_ptr<uint8_t>(), true);
       u = r;
     }
     float* yp = y.data_ptr<float>();
@@ -194,26 +180,12 @@ class QuantLinearCPU {
       }
     }
     // 4. y = D_v (H z), 5. bias
-    const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
-    if (sv_.defined() || bp) {
-      const uint8_t* s = sv_.defined() ? sv_.data_ptr<uint8_t>() : nullptr;
-      const int64_t hb = hadamard_block(N);
-      at::parallel_for(0, M, std::max<int64_t>(1, 16384 / N), [&](int64_t m0, int64_t m1) {
-        if (s) kernels_->fwht(yp + m0 * N, m1 - m0, N, N, hb, s, false);
-        if (bp)
-          for (int64_t m = m0; m < m1; ++m)
-            for (int64_t n = 0; n < N; ++n) yp[m * N + n] += bp[n];
-      });
-    }
+    if (sv_.defined()) rotate_rows(kernels_, yp, M, N, sv_.data_ptr<uint8_t>(), false);
+    if (bias_.defined()) y.add_(bias_);
     return y.reshape(out_shape);
   }
 
  private:
-  static std::string env_isa() {
-    const char* e = std::getenv("EXL_CPU_ISA");
-    return e ? std::string(e) : std::string();
-  }
-
   // One row of int8 activations in ActQ8::qp's pair order.
   void pair_order(const int8_t* q, int8_t* out) const {
     for (int s = 0; s < layer_.segs.count; ++s) {
@@ -294,13 +266,25 @@ int64_t parallel_chunks(int64_t n) {
 
 }  // namespace
 
-// A bound QuantLinearCPU as seen by the decode step (cpu_step.cpp), which composes the layers.
-void* quant_linear_ptr(py::handle layer) { return layer.cast<QuantLinearCPU*>(); }
+const Kernels* kernels_named(const std::string& name) {
+  const auto all = available();
+  if (name.empty() || name == "auto") return all.back().second;
+  for (const auto& [n, k] : all)
+    if (n == name) return k;
+  std::string names;
+  for (const auto& [n, k] : all) names += " " + n;
+  TORCH_CHECK(false, "exl CPU kernels: instruction set '", name, "' is not available here (available:", names,
+              "); set EXL_CPU_ISA to one of these or unset it");
+}
+
+// A bound linear layer (QuantLinearCPU or TrellisLinearCPU, both LinearCPU) as seen by the decode step
+// (cpu_step.cpp), which composes the layers.
+void* quant_linear_ptr(py::handle layer) { return layer.cast<LinearCPU*>(); }
 at::Tensor quant_linear_forward(void* layer, const at::Tensor& x, int64_t gemm_min_rows, bool exact) {
-  return static_cast<QuantLinearCPU*>(layer)->forward(x, "auto", gemm_min_rows, exact);
+  return static_cast<LinearCPU*>(layer)->forward(x, "auto", gemm_min_rows, exact);
 }
 int64_t quant_linear_features(void* layer, bool out) {
-  auto* l = static_cast<QuantLinearCPU*>(layer);
+  auto* l = static_cast<LinearCPU*>(layer);
   return out ? l->out_features() : l->in_features();
 }
 
@@ -311,13 +295,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using exl::cpu::QuantLinearCPU;
   m.doc() = "exl CPU kernels: fused dequant-matmul for the exl quantized format";
   void register_fused(py::module_&); register_fused(m);  // the fused decode ops, cpu_fused.cpp
+  py::class_<exl::cpu::LinearCPU>(m, "LinearCPU");  // the base of every CPU linear layer the decode step takes
+  void register_trellis(py::module_&); register_trellis(m);  // TrellisLinearCPU, cpu_trellis_ops.cpp
   void register_step(py::module_&); register_step(m);    // the one-call decode step, cpu_step.cpp
   m.def("isa_names", &exl::cpu::isa_names, "Instruction sets usable on this CPU, best last");
   m.def("parallel_chunks", &exl::cpu::parallel_chunks, "Chunks at::parallel_for runs for n units (threading check)");
   m.def("fwht", &exl::cpu::fwht, py::arg("x"), py::arg("block") = 0, py::arg("signs") = py::none(),
         py::arg("signs_first") = true, py::arg("isa") = "auto",
         "Normalized blockwise fast Walsh-Hadamard transform over the last dim, optional sign flip");
-  py::class_<QuantLinearCPU>(m, "QuantLinearCPU")
+  py::class_<QuantLinearCPU, exl::cpu::LinearCPU>(m, "QuantLinearCPU")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>,
                     c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                     const std::string&>(),
