@@ -19,7 +19,8 @@ import sysconfig
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-CPU_SOURCES = ["cpu_ops.cpp", "cpu_scalar.cpp", "cpu_avx2.cpp", "cpu_avxvnni.cpp", "cpu_avx512.cpp", "cpu_fused.cpp"]
+CPU_SOURCES = ["cpu_ops.cpp", "cpu_scalar.cpp", "cpu_avx2.cpp", "cpu_avxvnni.cpp", "cpu_avx512.cpp", "cpu_fused.cpp",
+               "trellis_encode.cpp"]
 CUDA_SOURCES = ["cuda_ops.cpp", "cuda_kernels.cu"]
 CXX_FLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-Wno-unused-function")
 # at::parallel_for is a header template: without -fopenmp it runs serially inside the extension.
