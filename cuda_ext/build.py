@@ -20,6 +20,7 @@ from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 CPU_SOURCES = ["cpu_ops.cpp", "cpu_scalar.cpp", "cpu_avx2.cpp", "cpu_avxvnni.cpp", "cpu_avx512.cpp", "cpu_fused.cpp",
+               "cpu_trellis_ops.cpp", "cpu_trellis_scalar.cpp", "cpu_trellis_avx2.cpp", "cpu_trellis_avx512.cpp",
                "trellis_encode.cpp"]
 CUDA_SOURCES = ["cuda_ops.cpp", "cuda_kernels.cu"]
 CXX_FLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-Wno-unused-function")

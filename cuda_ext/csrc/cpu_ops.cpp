@@ -13,6 +13,7 @@
 
 #include "cpu_kernels.h"
 #include "cpu_fused.h"
+#include "cpu_linear.h"
 #include "layer.h"
 
 namespace py = pybind11;
@@ -43,17 +44,6 @@ std::vector<std::pair<std::string, const Kernels*>> available() {
   return out;
 }
 
-const Kernels* kernels_named(const std::string& name) {
-  const auto all = available();
-  if (name.empty() || name == "auto") return all.back().second;
-  for (const auto& [n, k] : all)
-    if (n == name) return k;
-  std::string names;
-  for (const auto& [n, k] : all) names += " " + n;
-  TORCH_CHECK(false, "exl CPU kernels: instruction set '", name, "' is not available here (available:", names,
-              "); set EXL_CPU_ISA to one of these or unset it");
-}
-
 std::vector<std::string> isa_names() {
   std::vector<std::string> out;
   for (const auto& [n, k] : available()) out.push_back(n);
@@ -78,7 +68,7 @@ Path parse_path(const std::string& s) {
   TORCH_CHECK(false, "exl QuantLinear: unknown path '", s, "' (expected auto, int8, fp32 or gemm)");
 }
 
-class QuantLinearCPU {
+class QuantLinearCPU : public LinearCPU {
  public:
   QuantLinearCPU(at::Tensor qweight, at::Tensor qscale, at::Tensor qmeta, c10::optional<at::Tensor> perm,
                  c10::optional<at::Tensor> su, c10::optional<at::Tensor> sv, c10::optional<at::Tensor> bias,
@@ -102,8 +92,8 @@ class QuantLinearCPU {
     layer_.segs = spec.segs;
   }
 
-  int64_t in_features() const { return layer_.K; }
-  int64_t out_features() const { return layer_.N; }
+  int64_t in_features() const override { return layer_.K; }
+  int64_t out_features() const override { return layer_.N; }
   std::string isa() const { return kernels_->name; }
   void set_isa(const std::string& name) { kernels_ = kernels_named(name); }
 
@@ -115,7 +105,7 @@ class QuantLinearCPU {
     return out;
   }
 
-  at::Tensor forward(const at::Tensor& x, const std::string& path, int64_t gemm_min_rows, bool exact) {
+  at::Tensor forward(const at::Tensor& x, const std::string& path, int64_t gemm_min_rows, bool exact) override {
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat,
                 "exl QuantLinear (CPU kernels): input must be a float32 CPU tensor, got ", x.scalar_type(), " on ",
                 x.device());
@@ -146,11 +136,7 @@ class QuantLinearCPU {
     if (su_.defined()) {
       float* r = scratch<float>(buf, used, size_t(M) * K);
       std::copy(u, u + M * K, r);
-      const uint8_t* s = su_.data_ptr<uint8_t>();
-      const int64_t hb = hadamard_block(K);
-      at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
-        kernels_->fwht(r + m0 * K, m1 - m0, K, K, hb, s, true);
-      });
+      rotate_rows(kernels_, r, M, K, su_.data_ptr<uint8_t>(), true);
       u = r;
     }
     float* yp = y.data_ptr<float>();
@@ -206,26 +192,12 @@ class QuantLinearCPU {
       }
     }
     // 4. y = D_v (H z), 5. bias
-    const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
-    if (sv_.defined() || bp) {
-      const uint8_t* s = sv_.defined() ? sv_.data_ptr<uint8_t>() : nullptr;
-      const int64_t hb = hadamard_block(N);
-      at::parallel_for(0, M, std::max<int64_t>(1, 16384 / N), [&](int64_t m0, int64_t m1) {
-        if (s) kernels_->fwht(yp + m0 * N, m1 - m0, N, N, hb, s, false);
-        if (bp)
-          for (int64_t m = m0; m < m1; ++m)
-            for (int64_t n = 0; n < N; ++n) yp[m * N + n] += bp[n];
-      });
-    }
+    if (sv_.defined()) rotate_rows(kernels_, yp, M, N, sv_.data_ptr<uint8_t>(), false);
+    if (bias_.defined()) y.add_(bias_);
     return y.reshape(out_shape);
   }
 
  private:
-  static std::string env_isa() {
-    const char* e = std::getenv("EXL_CPU_ISA");
-    return e ? std::string(e) : std::string();
-  }
-
   // One row of int8 activations in ActQ8::qp's pair order.
   void pair_order(const int8_t* q, int8_t* out) const {
     for (int s = 0; s < layer_.segs.count; ++s) {
@@ -326,9 +298,9 @@ class DecoderStackCPU {
     b.mlp_norm = mlp_norm.contiguous();
     b.eps = eps;
     py::object objs[7] = {q, k, v, o, gate, up, down};
-    QuantLinearCPU** slots[7] = {&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down};
+    LinearCPU** slots[7] = {&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down};
     for (int i = 0; i < 7; ++i) {
-      *slots[i] = objs[i].cast<QuantLinearCPU*>();  // a TypeError names the bad argument
+      *slots[i] = objs[i].cast<LinearCPU*>();  // a TypeError names the bad argument
       keep_.push_back(objs[i]);                     // the layers live as long as this stack
     }
     TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0,
@@ -382,8 +354,8 @@ class DecoderStackCPU {
     double eps = 1e-6;
     c10::optional<at::Tensor> q_norm, k_norm;  // Qwen3: RMSNorm on each query and key head before RoPE
     double qk_eps = 1e-6;
-    QuantLinearCPU *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *gate = nullptr, *up = nullptr,
-                   *down = nullptr;
+    LinearCPU *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *gate = nullptr, *up = nullptr,
+              *down = nullptr;
     int64_t heads = 0, kv_heads = 0, head_dim = 0;
     double scale = 1.0;
     int64_t window = 0;
@@ -397,6 +369,18 @@ class DecoderStackCPU {
 };
 
 }  // namespace
+
+const Kernels* kernels_named(const std::string& name) {
+  const auto all = available();
+  if (name.empty() || name == "auto") return all.back().second;
+  for (const auto& [n, k] : all)
+    if (n == name) return k;
+  std::string names;
+  for (const auto& [n, k] : all) names += " " + n;
+  TORCH_CHECK(false, "exl CPU kernels: instruction set '", name, "' is not available here (available:", names,
+              "); set EXL_CPU_ISA to one of these or unset it");
+}
+
 }  // namespace cpu
 }  // namespace exl
 
@@ -404,6 +388,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using exl::cpu::QuantLinearCPU;
   m.doc() = "exl CPU kernels: fused dequant-matmul for the exl quantized format";
   void register_fused(py::module_&); register_fused(m);  // the fused decode ops, cpu_fused.cpp
+  py::class_<exl::cpu::LinearCPU>(m, "LinearCPU");  // the base DecoderStackCPU takes
+  void register_trellis(py::module_&); register_trellis(m);  // TrellisLinearCPU, cpu_trellis_ops.cpp
   void register_trellis_encode(py::module_&); register_trellis_encode(m);  // the trellis encoder, trellis_encode.cpp
   m.def("isa_names", &exl::cpu::isa_names, "Instruction sets usable on this CPU, best last");
   m.def("parallel_chunks", &exl::cpu::parallel_chunks, "Chunks at::parallel_for runs for n units (threading check)");
@@ -417,12 +403,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("up"), py::arg("down"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("scale"),
            py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("act") = "silu", py::arg("gemm_min_rows") = 17,
            py::arg("exact") = false, py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
-           py::arg("qk_eps") = 1e-6, "Append a pre-norm block (its seven QuantLinearCPU layers and norms)")
+           py::arg("qk_eps") = 1e-6, "Append a pre-norm block (its seven QuantLinearCPU/TrellisLinearCPU layers and norms)")
       .def("forward", &exl::cpu::DecoderStackCPU::forward, py::arg("x"), py::arg("k_cache"), py::arg("v_cache"),
            py::arg("pos"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>(),
            "Run every block for one new token at position pos of a contiguous float32 KV cache")
       .def("__len__", &exl::cpu::DecoderStackCPU::size);
-  py::class_<QuantLinearCPU>(m, "QuantLinearCPU")
+  py::class_<QuantLinearCPU, exl::cpu::LinearCPU>(m, "QuantLinearCPU")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>,
                     c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                     const std::string&>(),
