@@ -41,14 +41,16 @@ def trellis_mse(k: int, L: int, tiles: int, alphas=None, mul=None, add=None, see
     return best
 
 
-def lloyd_max(k: int, n: int = 400_000, iters: int = 60, seed=0) -> float:
-    """MSE of the 2^k-level Lloyd-Max quantizer of N(0,1) (fitted on n samples)."""
-    x = np.sort(np.random.default_rng(seed).standard_normal(n))
+def lloyd_max(k: int, n: int = 1_000_000, iters: int = 1000, seed=0) -> float:
+    """MSE of the 2^k-level Lloyd-Max quantizer of N(0,1) (fitted on n samples; converges slowly for many levels,
+    hence the many iterations: 2.499e-3 at 5 bits, Max's table)."""
+    x = np.random.default_rng(seed).standard_normal(n)
     levels = np.quantile(x, (np.arange(2**k) + 0.5) / 2**k)
     for _ in range(iters):
         edges = (levels[1:] + levels[:-1]) / 2
         idx = np.searchsorted(edges, x)
-        levels = np.array([x[idx == i].mean() for i in range(2**k)])
+        cnt = np.bincount(idx, minlength=2**k)
+        levels = np.where(cnt > 0, np.bincount(idx, weights=x, minlength=2**k) / np.maximum(cnt, 1), levels)
     edges = (levels[1:] + levels[:-1]) / 2
     return float(((x - levels[np.searchsorted(edges, x)]) ** 2).mean())
 
@@ -103,7 +105,7 @@ def main():
             if L <= k:
                 cells.append("—")
                 continue
-            mse, a, dt = trellis_mse(k, L, args.tiles, (0.9, 1.0, 1.05, 1.1, 1.15, 1.2, 1.3))
+            mse, a, dt = trellis_mse(k, L, args.tiles, (0.9, 1.0, 1.1, 1.2, 1.3))
             cells.append(f"{mse:.4f} ({a:g}; {args.tiles * 256 / dt / 1e6:.2f} Mw/s)")
         print(f"| {k} | " + " | ".join(cells) + f" | {lloyd_max(k):.4f} | {uniform_grid(k):.4f} | {2.0 ** (-2 * k):.4f} |",
               flush=True)

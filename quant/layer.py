@@ -129,7 +129,7 @@ def _measure_trellis(name, w, h, tokens, fisher, options, seed, fixed=None) -> l
     """Trellis candidates (each with its transform su+sv), priced like the scalar ones: block LDLQ on whole
     tiles of evenly spaced rows, all settings in one batched run, errors scaled to all rows."""
     n, k = w.shape
-    settings = trellis_candidates(n, k, options.trellis_bits, options.state_bits)
+    settings = trellis_candidates(n, k, options.trellis_widths, options.state_bits)
     if fixed is not None:
         settings = [fixed] if trellis_candidates(n, k) else []
     if not settings:

@@ -186,7 +186,7 @@ def test_measure_prices_every_candidate():
     f = torch.rand(96) + 0.5
     rec = measure("layer", w, h, 2048, f, QuantOptions(measure_rows=48), seed=0)
     by = {c["setting"]: c for c in rec["candidates"]}
-    assert len(by) == len(candidates(256)) + len(trellis_candidates(96, 256))
+    assert len(by) == len(candidates(256)) + len(trellis_candidates(96, 256, QuantOptions().trellis_widths))
     # more bits, less error; kl is the Fisher-weighted error
     assert by["2b/g128"]["kl"] > by["3b/g128"]["kl"] > by["4b/g128"]["kl"] > by["6b/g128"]["kl"] > by["8b/g128"]["kl"]
     assert by["4b/g32"]["rel"] < by["4b/g128"]["rel"]
