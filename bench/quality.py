@@ -279,7 +279,7 @@ def trellis_uniform_run(args) -> dict:
         label = f"trellis-uniform-{k}"
         t = time.time()
         folder = exl_model(rot, label, 4.0, None, args.fresh, fixed=f"trellis{k}/L12", codes="trellis",
-                           sensitivity="mse")
+                           sensitivity="mse", measure_rows=16)  # one setting: nothing to price, so one tile
         rep = report_of(folder)
         r = cached_eval(folder, ev, lambda: ev.evaluate(exl_logits(folder), "exl", batch=4))
         results["rows"].append(dict(kind="trellis-uniform", label=label, bits=k, bpw=rep["measured_bpw"], **r,
