@@ -82,10 +82,13 @@ def encode_tiles(x: list[torch.Tensor], c: list[torch.Tensor], metas: list[Trell
     """Per job i: the walks (int32 states [B_i, T]) and their weighted errors (float32 [B_i]) for the tiles
     x[i] (targets in code units, [B_i, T]) with error weights c[i]; circular (tail-biting) walks.
     All jobs run in one call so that every core has tiles to work on."""
-    return _kernels().trellis_viterbi([t.float().contiguous() for t in x], [t.float().contiguous() for t in c],
-                                      [codebook(m) for m in metas], [m.bits for m in metas],
-                                      [m.state_bits for m in metas], window,
-                                      None if overlaps is None else [o.int().contiguous() for o in overlaps], isa)
+    from quant.gptq import all_threads
+
+    with all_threads():  # the quantizer runs small ops on one thread; the Viterbi splits tiles over all of them
+        return _kernels().trellis_viterbi([t.float().contiguous() for t in x], [t.float().contiguous() for t in c],
+                                          [codebook(m) for m in metas], [m.bits for m in metas],
+                                          [m.state_bits for m in metas], window,
+                                          None if overlaps is None else [o.int().contiguous() for o in overlaps], isa)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -122,3 +122,26 @@ def test_ldlq_several_settings_at_once_equal_one_at_a_time():
     for m, r in zip(metas, both):
         one, = T.ldlq(w, u, [m])
         assert torch.equal(one.words, r.words)
+
+
+def test_viterbi_uses_the_threads_one_thread_replaced(monkeypatch):
+    from quant.gptq import one_thread
+
+    seen = []
+    real = T._kernels()
+
+    class Spy:
+        def trellis_viterbi(self, *a):
+            seen.append(torch.get_num_threads())
+            return real.trellis_viterbi(*a)
+
+    monkeypatch.setattr(T, "_kernels", lambda: Spy())
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with one_thread(torch.device("cpu")):
+            T.ldlq(torch.randn(16, 32), torch.eye(32), [TrellisMeta(2, 8)])
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(n)
+    assert seen == [2, 2]
