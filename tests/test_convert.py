@@ -356,6 +356,8 @@ def test_resume_after_kills_gives_identical_output(tiny, tmp_path):
     assert killed >= 3  # (a stage may finish before the kill lands; the others must have been cut short)
     run_cli(full + ["-r"])
     assert output_bytes(out) == output_bytes(tmp_path / "ref")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc.get("trellis_layers", 0) > 0 and qc["version"] == 2  # the default (auto) codes chose some trellis
 
 
 def test_bad_inputs(tiny, tmp_path):
@@ -479,6 +481,8 @@ def test_smollm2_resume_after_kills_is_identical(smollm_dir, tmp_path):
     assert run_cli(full + ["-r"], kill_when=work / "quant" / "block_020.json") == -signal.SIGKILL
     run_cli(full + ["-r"])
     assert output_bytes(out) == output_bytes(tmp_path / "ref")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc.get("trellis_layers", 0) > 0 and qc["version"] == 2  # the default (auto) codes chose some trellis
 
 
 def test_loaded_model_holds_only_the_stored_bytes(converted):
