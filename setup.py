@@ -3,6 +3,8 @@
 By default the C++/CUDA kernels are compiled on first use (cached; see cuda_ext/build.py). Set
 EXL_BUILD_EXT=1 to build them now as prebuilt extensions (needs torch in the build environment):
     EXL_BUILD_EXT=1 pip install --no-build-isolation .
+The C++ standard follows the installed torch, and each library is stamped with its build key: a
+prebuilt library is used only under the torch, Python and compiler it was built with.
 """
 
 import os
@@ -10,10 +12,8 @@ import os
 from setuptools import setup
 
 if os.environ.get("EXL_BUILD_EXT") == "1":
-    from torch.utils.cpp_extension import BuildExtension
+    from cuda_ext.build import setup_extensions, stamped_build_ext
 
-    from cuda_ext.build import setup_extensions
-
-    setup(ext_modules=setup_extensions(), cmdclass={"build_ext": BuildExtension})
+    setup(ext_modules=setup_extensions(), cmdclass={"build_ext": stamped_build_ext()})
 else:
     setup()

@@ -3,6 +3,7 @@
     python bench/kernels.py              # CPU kernels (float32 activations) vs dense fp32 F.linear
     python bench/kernels.py --cuda       # CUDA kernels (float16) vs dense fp16 F.linear
     python bench/kernels.py --isas avxvnni,avx512vnni [--model DIR]   # int8 GEMV per instruction set
+    python bench/kernels.py [--cuda] --json   # one JSON line: decode GEMV GB/s against the device's bandwidth
 
 The --isas mode times the int8-activation GEMV of each instruction set on SmolLM2's real segment
 mixes (hot, one row; the cost of each extra activation row from 2 to 16 rows) and, with --model,
@@ -17,6 +18,7 @@ weights (qweight + qscale) are streamed.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -194,6 +196,45 @@ def bench_cuda(args):
                   f"{gbs / peak:>7.0%}", flush=True)
 
 
+# Memory bandwidth by datasheet, GB/s (matched against the device name; the measured copy rate is reported too).
+SPEC_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350, "A100-SXM4-80GB": 2039, "A100": 1555,
+            "RTX 5090": 1792, "RTX 4090": 1008, "RTX 3090": 936, "L40S": 864, "L4": 300}
+
+
+def gemv_json(args):
+    """One JSON line: the one-row GEMV (decode) of each shape, in GB/s of packed weights streamed, and the
+    largest shape's rate as a fraction of the device's copy bandwidth (read + write) and of its datasheet."""
+    cuda = args.cuda
+    dev = "cuda" if cuda else "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    big = torch.empty((1 << 30) if cuda else (1 << 28), dtype=torch.uint8, device=dev)
+    copy = 2 * big.numel() / best_time(lambda: big.clone(), sync) / 1e9
+    del big
+    from cuda_ext import build
+
+    ext = build.load_cuda() if cuda else build.load_cpu()
+    shapes = args.shapes or SHAPES + ([(14336, 4096), (4096, 14336), (128256, 4096)] if cuda else [])
+    rows = []
+    for n, k in shapes:
+        t = {key: v.to(dev) for key, v in layer(n, k, args.bits, args.group).items()}
+        if cuda:
+            q, x = ext.QuantLinearCUDA(t["qweight"], t["qscale"], t["qmeta"]), torch.randn(1, k, device=dev).half()
+            fn = lambda: q.forward(x)  # noqa: E731
+        else:
+            q, x = ext.QuantLinearCPU(t["qweight"], t["qscale"], t["qmeta"]), torch.randn(1, k)
+            fn = lambda: q.forward(x, "auto", 17, False)  # noqa: E731
+        secs = best_time(fn, sync)
+        rows.append({"shape": f"{n}x{k}", "bytes": packed_bytes(t), "us": round(secs * 1e6, 2),
+                     "gbs": round(packed_bytes(t) / secs / 1e9, 1)})
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    spec = next((v for key, v in SPEC_GBS.items() if key in name), None)
+    largest = max(rows, key=lambda r: r["bytes"])
+    print(json.dumps({"device": name, "bits": args.bits, "copy_gbs": round(copy, 1), "spec_gbs": spec,
+                      "largest": largest["shape"], "gbs": largest["gbs"],
+                      "fraction_of_copy": round(largest["gbs"] / copy, 3),
+                      "fraction_of_spec": round(largest["gbs"] / spec, 3) if spec else None, "shapes": rows}))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cuda", action="store_true", help="benchmark the CUDA kernels")
@@ -207,9 +248,12 @@ def main():
                     help="compare the int8 GEMV of these instruction sets, e.g. avxvnni,avx512vnni")
     ap.add_argument("--model", default=None, help="with --isas: an exl model folder for the cold decode step")
     ap.add_argument("--paths", type=lambda s: s.split(","), default=None, help="e.g. int8,gemm (default by rows)")
+    ap.add_argument("--json", action="store_true", help="one JSON line: decode GEMV GB/s vs the device's bandwidth")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.json:
+        return gemv_json(args)
     (bench_cuda if args.cuda else bench_isas if args.isas else bench_cpu)(args)
 
 

@@ -6,7 +6,8 @@
 The standard pair (issue 4): the function-preserving rotated copy of SmolLM2-135M-Instruct,
 converted by exl at 4.0 bpw, and llama.cpp's Q4_0 of the same rotated model (token embedding F16,
 untied head Q8_0) quantized from an F32 GGUF written by exl's exporter. Artifacts are cached in
-$EXL_CACHE/bench.
+$EXL_CACHE/bench. exl is measured through its generator (exl.benchmark: pp = one 512-token prompt job's
+prefill, tg = one job's decode rate), the path `exl serve` runs.
 """
 
 from __future__ import annotations

@@ -1,40 +1,46 @@
 """exl's compiled kernels: CPU (C++: AVX-512 VNNI, AVX-VNNI or AVX2, chosen at run time, with a scalar fallback) and CUDA.
 
-`cpu()` / `cuda()` return the extension module, building it on first use (cached), or None when
-it cannot be built; then exl falls back to the plain-PyTorch reference path and warns once.
-Set EXL_NO_EXT=1 to force that fallback.
+`cpu()` / `cuda()` return the extension module, building it on first use (cached, see build.py).
+When it cannot be built they raise ExtensionBuildError (an ExlError: what failed, the compiler's
+first error line, how to fix it); the failure is remembered, so it is not retried in this process.
+The plain-PyTorch reference path runs only when asked for: with EXL_NO_EXT=1 both return None.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 
 from cuda_ext.build import ExtensionBuildError, load_cpu, load_cuda
 
-__all__ = ["cpu", "cuda", "ExtensionBuildError", "load_cpu", "load_cuda"]
+__all__ = ["cpu", "cuda", "reference_only", "ExtensionBuildError", "load_cpu", "load_cuda"]
 
-_cache: dict[str, object] = {}
+_cache: dict[str, object] = {}  # kind -> module, or the ExtensionBuildError it raised
+
+
+def reference_only() -> bool:
+    """True when the user asked for the slow plain-PyTorch reference path (EXL_NO_EXT=1)."""
+    return os.environ.get("EXL_NO_EXT") == "1"
 
 
 def _get(kind: str, loader):
+    if reference_only():
+        return None
     if kind not in _cache:
-        if os.environ.get("EXL_NO_EXT") == "1":
-            _cache[kind] = None
-        else:
-            try:
-                _cache[kind] = loader()
-            except ExtensionBuildError as e:
-                warnings.warn(f"{e}. exl runs on the plain-PyTorch reference path instead (much slower).", stacklevel=3)
-                _cache[kind] = None
-    return _cache[kind]
+        try:
+            _cache[kind] = loader()
+        except ExtensionBuildError as e:
+            _cache[kind] = e
+    got = _cache[kind]
+    if isinstance(got, ExtensionBuildError):
+        raise got
+    return got
 
 
 def cpu():
-    """The CPU extension module, or None (after one warning) if it cannot be built."""
+    """The CPU extension module; None only with EXL_NO_EXT=1. Raises ExtensionBuildError if it cannot be built."""
     return _get("cpu", load_cpu)
 
 
 def cuda():
-    """The CUDA extension module, or None (after one warning) if it cannot be built."""
+    """The CUDA extension module; None only with EXL_NO_EXT=1. Raises ExtensionBuildError if it cannot be built."""
     return _get("cuda", load_cuda)

@@ -3,8 +3,9 @@
 __version__ = "0.1.0"
 
 
-def load_model(path, dtype=None, device="cpu", progress=True):
-    """Load a Hugging Face or exl-quantized model folder (see exl.models)."""
-    from exl.models import load_model as _load
+def load_model(path, **kwargs):
+    """Load a Hugging Face or exl-quantized model folder; see exl.loading.load_model for the options
+    (device, dtype, tp, gpu_split, progress)."""
+    from exl.loading import load_model as _load
 
-    return _load(path, dtype, device, progress)
+    return _load(path, **kwargs)

@@ -1,7 +1,10 @@
-"""llama-bench-style speed measurement: pp (prompt processing) and tg (token generation) tokens/s.
+"""llama-bench-style speed measurement through the generator: pp (prompt processing) and tg (token
+generation) tokens/s.
 
-pp N: one forward pass of N tokens into an empty cache (logits for the last token only).
-tg N: N single-token forward passes, one after another, from an empty cache.
+Both tests run jobs on the dynamic Generator over a PagedCache, the same path as every other door
+(exl.simple, `exl generate`/`chat`, `exl serve`):
+pp N: the prefill of one job with an N-token prompt (random tokens, nothing cached): N / its time to first token.
+tg N: the decode rate of one job, greedy, from a 1-token prompt: N decode steps / their time (sampling included).
 Each test runs once as warm-up, then `reps` times; results are mean ± std over the timed runs.
 """
 
@@ -9,42 +12,48 @@ from __future__ import annotations
 
 import resource
 import statistics
-import time
 
 import torch
 
-from exl.cache.contiguous import KVCache
+from exl.generator import Job, SamplerSettings
 
 
-def _tokens(model, n: int, seed: int = 0) -> torch.Tensor:
+def _tokens(model, n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(100, model.config.vocab_size, (1, n), generator=g).to(model.device)
+    return torch.randint(100, model.config.vocab_size, (n,), generator=g).tolist()
 
 
-def _sync(model):
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
+def _run(gen, ids: list[int], new: int):
+    """One greedy job to the end (EOS ignored); its final event."""
+    cache = gen.cache
+    cache.clear()  # no prefix from an earlier run
+    job = Job(ids, max_new_tokens=new, sampler=SamplerSettings.greedy(), ignore_eos=True)
+    gen.enqueue(job)
+    while True:
+        for ev in gen.iterate():
+            if ev.eos:
+                if ev.eos_reason != "max_new_tokens":
+                    raise RuntimeError(f"benchmark job ended early: {ev.eos_reason} {ev.error or ''}")
+                return ev
 
 
-def time_prompt(model, n: int) -> float:
-    cache = KVCache(model.config, 1, n, model.dtype, model.device)
-    ids = _tokens(model, n)
-    _sync(model)
-    t = time.perf_counter()
-    model(ids, cache=cache, last_only=True)
-    _sync(model)
-    return n / (time.perf_counter() - t)
+def time_prompt(gen, n: int, seed: int = 0) -> float:
+    """Prompt tokens/s of one n-token prefill."""
+    ev = _run(gen, _tokens(gen.model, n, seed), 1)
+    return n / ev.time_to_first_token
 
 
-def time_generation(model, n: int) -> float:
-    cache = KVCache(model.config, 1, n + 1, model.dtype, model.device)
-    ids = _tokens(model, n)
-    _sync(model)
-    t = time.perf_counter()
-    for i in range(n):
-        model(ids[:, i : i + 1], cache=cache)
-    _sync(model)
-    return n / (time.perf_counter() - t)
+def time_generation(gen, n: int, seed: int = 0) -> float:
+    """Decode tokens/s of one job over n decode steps."""
+    ev = _run(gen, _tokens(gen.model, 1, seed), n + 1)  # the first token comes from the prefill
+    return ev.tokens_per_second
+
+
+def make_generator(model, pp: int, tg: int):
+    """One job at a time, a cache for the longer test, prompts in one chunk."""
+    from exl.simple import make_generator as make
+
+    return make(model, None, max(pp, tg + 1, 1), max_chunk_size=max(pp, 1))
 
 
 def model_bits_per_weight(model) -> float:
@@ -60,14 +69,15 @@ def peak_rss_mib() -> float:
 
 def run(model, pp: int = 512, tg: int = 128, reps: int = 3, progress=None) -> dict:
     """{'pp512': mean tok/s, 'pp512_std', 'tg128', 'tg128_std', 'bpw', 'peak_rss_mib', 'threads'}"""
+    gen = make_generator(model, pp, tg)
     out = {}
     for name, fn, n in ((f"pp{pp}", time_prompt, pp), (f"tg{tg}", time_generation, tg)):
         if n <= 0:
             continue
-        fn(model, n)  # warm-up
+        fn(gen, n, seed=0)  # warm-up
         runs = []
-        for _ in range(reps):
-            runs.append(fn(model, n))
+        for i in range(reps):
+            runs.append(fn(gen, n, seed=i + 1))
             if progress:
                 progress(name, runs[-1])
         out[name] = statistics.mean(runs)

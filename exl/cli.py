@@ -19,6 +19,7 @@ COMMANDS = {
     "convert": ("exl.commands.convert", "quantize a model (same as convert.py)"),
     "bench": ("exl.commands.bench", "measure prompt and generation speed (llama-bench style)"),
     "serve": ("exl.commands.serve", "run the OpenAI-compatible server"),
+    "info": ("exl.commands.info", "print versions, kernel builds, GPUs and settings (for bug reports)"),
 }
 
 

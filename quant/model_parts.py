@@ -15,8 +15,7 @@ from torch import nn
 from exl.config import ModelConfig
 from exl.errors import UnsupportedModelError
 from exl.format import BLOCK
-from exl.loader import TensorLoader
-from exl.models.base import ARCHITECTURES, Builder
+from exl.models.base import Builder, CausalLM
 from exl.modules.linear import Linear
 from exl.modules.mlp import SparseMoE
 from exl.modules.norm import RMSNorm
@@ -50,49 +49,34 @@ class _RecordingBuilder(Builder):
 
 
 class SourceModel:
-    """Lazy access to a dense Hugging Face model folder, block by block."""
+    """Lazy access to a dense Hugging Face model folder, block by block: a lazily loaded CausalLM
+    (`CausalLM.lazy`) whose pieces are built on request by the model's own code (embedding and its scale,
+    blocks, final norm, head tying, logit soft-capping)."""
 
     def __init__(self, path: str | Path, device="cpu"):
-        import exl.models  # noqa: F401  (registers the families)
-
         self.path = Path(path)
         self.config = ModelConfig.from_dir(self.path)
         if self.config.quantization:
             raise UnsupportedModelError(f"{self.path}: this model is already quantized "
                                         f"({self.config.quantization.get('quant_method')}); convert the original "
                                         "float16/bfloat16/float32 model instead.")
-        self.family = ARCHITECTURES.get(self.config.architecture)
-        if self.family is None:
-            raise UnsupportedModelError(f"{self.path / 'config.json'}: architecture {self.config.architecture!r} "
-                                        f"is not supported. Supported: {', '.join(sorted(ARCHITECTURES))}.")
-        self.loader = TensorLoader(self.path)
         self.device = torch.device(device)
-        self._shell = object.__new__(self.family)
-        nn.Module.__init__(self._shell)
-        self._shell.config = self.config
+        self.model = CausalLM.lazy(self.path, torch.float32, self.device)
+        self.loader = self.model.builder.loader
 
     @property
     def num_layers(self) -> int:
         return self.config.num_layers
 
-    def embedding(self) -> torch.Tensor:
-        c = self.config
-        return self.loader.get("model.embed_tokens.weight", torch.float32, (c.vocab_size, c.hidden_size), self.device)
-
-    def embed_scale(self) -> float | None:
-        return self.config.hidden_size**0.5 if self.config.model_type.startswith("gemma") else None
-
-    def embed(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        h = nn.functional.embedding(ids.to(table.device), table)
-        scale = self.embed_scale()
-        if scale is not None:
-            h = h * torch.tensor(scale, dtype=torch.float32)
-        return h
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Block 0's input (float32) for token ids [B, T]; the embedding is read for this call only."""
+        m = self.model
+        return m.embed(ids.to(self.device), m.build_embedding(m.builder))
 
     def block(self, i: int) -> tuple[nn.Module, list[LinearRef]]:
         """Block i (float32, on the device) and the linear layers to quantize, in execution order."""
         b = _RecordingBuilder(self.config, self.loader, torch.float32, self.device)
-        block = self.family.build_block(self._shell, b, i, f"model.layers.{i}").eval()
+        block = self.model.build_block(b, i, f"model.layers.{i}").eval()
         routers = set()
         for m in block.modules():
             if isinstance(m, SparseMoE):
@@ -107,19 +91,12 @@ class SourceModel:
         return block, refs
 
     def final_norm(self) -> RMSNorm:
-        return RMSNorm(self.loader.get("model.norm.weight", torch.float32, (self.config.hidden_size,), self.device),
-                       self.config.rms_norm_eps, self.family.norm_offset)
+        return self.model.build_norm(self.model.builder)
 
     def head_weight(self) -> torch.Tensor:
-        c = self.config
-        name = "lm_head.weight" if "lm_head.weight" in self.loader else "model.embed_tokens.weight"
-        return self.loader.get(name, torch.float32, (c.vocab_size, c.hidden_size), self.device)
-
-    @property
-    def tied(self) -> bool:
-        return "lm_head.weight" not in self.loader
+        """The output head's weight [vocab, hidden] in float32: `lm_head`, or the embedding it is tied to."""
+        return self.model.builder.head().weight.data
 
     def logits(self, h: torch.Tensor, norm: RMSNorm, head: torch.Tensor) -> torch.Tensor:
-        z = norm(h) @ head.T
-        cap = self.config.final_logit_softcapping
-        return cap * torch.tanh(z / cap) if cap else z
+        """The model's logits (soft-capped where it caps them) of final hidden states h, with this head weight."""
+        return self.model.logits(h, norm, Linear(head))

@@ -77,7 +77,7 @@ def fisher_pass(src: SourceModel, wd: WorkDir, ids: torch.Tensor, seed: int, pro
     # forward: keep every block's input (a few rows only)
     start = next((i for i in range(n, -1, -1) if wd.exists(f"fisher/in_{i:03d}.safetensors")), None)
     if start is None:
-        wd.save_tensors("fisher/in_000.safetensors", {"h": src.embed(ids, src.embedding())})
+        wd.save_tensors("fisher/in_000.safetensors", {"h": src.embed(ids)})
         start = 0
     h = wd.load_tensors(f"fisher/in_{start:03d}.safetensors", dev)["h"]
     for i in _bar(range(start, n), "fisher: forward", n, start, progress):
@@ -159,7 +159,7 @@ def measure_pass(src: SourceModel, wd: WorkDir, ids: torch.Tensor, fisher: dict[
     i0 = _resume_point(wd, "measure", n, lambda i: wd.exists(rec(i)))
     if i0 < n:
         if i0 == 0 and not wd.exists(_states(wd, "measure", 0)):
-            wd.save_tensors(_states(wd, "measure", 0), {"h": src.embed(ids, src.embedding()),
+            wd.save_tensors(_states(wd, "measure", 0), {"h": src.embed(ids),
                                                         "valid": torch.ones(ids.shape[0], dtype=torch.bool)})
         st = wd.load_tensors(_states(wd, "measure", i0), dev)
         h, valid = st["h"], st["valid"].cpu()
@@ -207,7 +207,7 @@ def quantize_pass(src: SourceModel, wd: WorkDir, ids: torch.Tensor, eval_rows: i
     i0 = _resume_point(wd, "quant", n, lambda i: wd.exists(f"quant/block_{i:03d}.json"))
     if i0 < n:
         if i0 == 0 and not wd.exists(_states(wd, "quant", 0)):
-            h = src.embed(ids, src.embedding())
+            h = src.embed(ids)
             wd.save_tensors(_states(wd, "quant", 0), {"h": h, "ref": h[:eval_rows].clone(),
                                                       "valid": torch.ones(ids.shape[0], dtype=torch.bool)})
         st = wd.load_tensors(_states(wd, "quant", i0), dev)

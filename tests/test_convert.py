@@ -508,3 +508,35 @@ def test_loaded_model_holds_only_the_stored_bytes(converted):
     assert held <= on_disk + norms + 4096, (held, on_disk, norms)
     assert all(not isinstance(m, torch.nn.Linear) for m in model.modules())
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 7 * model.config.num_layers + 1  # + head
+
+
+@pytest.mark.parametrize("name", ["llama-tied-bias", "gemma3", "qwen3-moe"])
+def test_source_model_walks_the_models_own_code(tmp_path, name):
+    """SourceModel builds a lazily loaded CausalLM piece by piece: embedding (Gemma's scale), blocks, final norm,
+    the head (tied or not) and soft-capped logits equal the loaded model's."""
+    from test_models import make_model
+
+    from exl.cache.base import NoCache
+    from quant.model_parts import SourceModel
+
+    _, path = make_model(tmp_path, name)
+    model = exl.load_model(path, progress=False, device="cpu")
+    src = SourceModel(path)
+    assert src.model.embed_tokens is None and len(src.model.layers) == 0  # nothing read up front
+    ids = torch.randint(0, 211, (2, 12), generator=torch.Generator().manual_seed(0))
+    h = src.embed(ids)
+    assert torch.equal(h, model.embed(ids))
+    for i in range(src.num_layers):
+        block, refs = src.block(i)
+        assert refs and all(r.name.startswith(f"model.layers.{i}.") for r in refs)
+        with torch.inference_mode():
+            h = block(h, NoCache(*ids.shape, ids.device))
+    want = model(ids)
+    with torch.inference_mode():
+        got = src.logits(h, src.final_norm(), src.head_weight())
+    assert torch.equal(got, want)
+    if model.config.final_logit_softcapping:
+        assert got.abs().max() < model.config.final_logit_softcapping
+    tied = "lm_head.weight" not in src.loader
+    assert tied == (name == "llama-tied-bias")
+    assert torch.equal(src.head_weight(), model.lm_head.weight)

@@ -23,6 +23,7 @@ from exl.modules.mlp import ACTIVATIONS
 from exl.modules.norm import RMSNorm
 from exl.modules.rope import RotaryEmbedding
 
+pytestmark = pytest.mark.kernels  # CI runs these under a second torch too (.ci/run)
 TOL = 3e-6  # relative to the largest magnitude of the reference
 
 

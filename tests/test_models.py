@@ -11,6 +11,8 @@ import transformers
 import exl
 from exl.cache.contiguous import KVCache
 
+pytestmark = pytest.mark.kernels  # models on the compiled kernels; CI runs these under a second torch too
+
 BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
 
@@ -83,3 +85,33 @@ def test_incremental_decode_matches_full_forward(tmp_path, name):
     parts.append(model(ids[:, 14:17], cache=cache))
     parts.append(model(ids[:, 17:], cache=cache))
     check_close(torch.cat(parts, dim=1), full, 1e-5)
+
+
+def test_models_package_does_not_import_parallel():
+    """exl.load_model sits above exl.models and exl.parallel: the models never reach up into parallel."""
+    import subprocess
+    import sys
+
+    code = ("import sys, exl.models, exl.models.base, exl.models.llama, exl.models.qwen, exl.models.gemma3, "
+            "exl.models.moe, exl.loading; "
+            "bad = sorted(m for m in sys.modules if m.startswith('exl.parallel')); "
+            "assert not bad, bad; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    # ... nor lazily, inside a function: no import statement of exl/models names exl.parallel
+    import ast
+    from pathlib import Path
+
+    for f in sorted(Path(exl.__file__).parent.joinpath("models").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.startswith("exl.parallel") for n in names), f"{f.name}:{node.lineno} imports {names}"
+
+
+def test_load_model_rejects_parallel_options_without_devices(tmp_path):
+    _, path = make_model(tmp_path, "llama")
+    with pytest.raises(TypeError, match="mode only apply with tp >= 2 or gpu_split"):
+        exl.load_model(path, progress=False, mode="expert")
+    model = exl.load_model(path, progress=False, device="cpu", dtype=torch.float32, tp=1)
+    assert model.device.type == "cpu" and model.dtype is torch.float32

@@ -198,9 +198,7 @@ def test_parallel_equals_single_process(folders, family, kwargs):
 
 
 def test_uneven_shares_give_uneven_parts(folders):
-    from exl.models import CausalLM
-
-    load = CausalLM.load(folders["qwen3-moe"], device="cpu", progress=False, tp=2, mode="expert", shares=[1, 2])
+    load = exl.load_model(folders["qwen3-moe"], device="cpu", progress=False, tp=2, mode="expert", shares=[1, 2])
     with load as m:
         assert m.plan.kv_ranges == [(0, 1), (1, 4)]
         assert m.plan.local_experts == range(0, 2)  # 6 experts, 1:2

@@ -1,6 +1,6 @@
 """`exl serve` end to end: one real server process (SmolLM2, fp32) driven with the official `openai` client.
 
-Outputs are checked against exl's single-stream reference (exl.simple, contiguous fp32 cache) and the
+Outputs are checked against the same model in-process (one forward pass, no cache) and the
 model's own log-probabilities; limits, auth, path safety, disconnects and shutdown through HTTP.
 """
 

@@ -14,6 +14,8 @@ from exl.eval import perplexity, windows
 from exl.simple import generate
 from exl.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.kernels  # the real model on the compiled kernels; CI runs these under a second torch too
+
 
 def eval_text() -> str:
     """Held-out evaluation text: the Python docs' topic pages (not used for calibration)."""

@@ -1,25 +1,19 @@
-// CUDA kernels for Ampere / Ada / Hopper: fused dequant GEMV (1-8 rows), tile dequantization for
-// the cuBLAS GEMM path, the blockwise Hadamard transform, perm gather and the KV-cache quantizer.
+// CUDA kernels for Turing to Blackwell: fused dequant GEMV (1-8 rows), tile dequantization for the
+// cuBLAS GEMM path, the blockwise Hadamard transform (with the act-order permutation fused into its
+// store) and the KV-cache quantizer. The host harness runs this same file on CPU threads
+// (docs/cuda_host.md).
 // Block decoding is format.h's, shared with the CPU kernels.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cuda_device.cuh"
 #include "cuda_kernels.h"
 #include "format.h"
 
 namespace exl {
 namespace cuda {
 namespace {
-
-constexpr int kWarp = 32;
-constexpr unsigned kFull = 0xffffffffu;
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  return v;
-}
 
 template <typename T>
 __device__ __forceinline__ float load_f(const T* p);
@@ -36,71 +30,106 @@ template <>
 __device__ __forceinline__ void store_f<__half>(__half* p, float v) { *p = __float2half_rn(v); }
 
 // ---------------------------------------------------------------------------------------------
-// GEMV: one warp per output row. Lane l takes blocks l, l+32, ... of each segment: it reads the
-// block's 4*BITS bytes (the warp reads 32 consecutive blocks, one contiguous span of the row),
-// decodes the 32 codes and dots them with the fp32 activations of up to MR rows.
+// GEMV: one warp per R output rows. Lane l takes blocks l, l+32, ... of each segment: it reads the
+// block's 4*BITS bytes of each of its rows (the warp reads 32 consecutive blocks, one contiguous span
+// of a row), decodes the codes and dots them with the fp32 activations of up to MR rows. The
+// activations of each step's 32 blocks (a tile of 1024 channels) are staged once per thread block
+// in shared memory, padded so that the lanes' float4 reads hit distinct banks, and each read feeds R
+// rows (docs/benchmarks.md, "Can the decode GEMV keep the memory system busy").
 
-template <int BITS, int MR>
-__device__ __forceinline__ void gemv_segment(const uint8_t* row, const __half* srow, const Segment& sg,
-                                             const float* __restrict__ x, int64_t K, int M, float (&acc)[MR],
-                                             int lane) {
+template <int MR>
+__host__ __device__ constexpr int gemv_rows_per_warp() { return MR < 4 ? MR : 4; }
+
+constexpr int kTileStride = kBlock + 4;  // floats per block of activations in shared memory (padded)
+
+template <int BITS, int MR, int R>
+__device__ __forceinline__ void gemv_segment(const uint8_t* const (&row)[R], const __half* const (&srow)[R],
+                                             const Segment& sg, const float* __restrict__ x, int64_t K, int M,
+                                             float (&acc)[R][MR], int lane, bool active, float* tile) {
   const int nb = sg.k_len / kBlock;
   const float c = code_offset(BITS);
-  for (int b = lane; b < nb; b += kWarp) {
-    uint32_t w[BITS];
-    load_block_words<BITS>(row + sg.byte_start + int64_t(b) * block_bytes(BITS), w);
-    const float s = __half2float(srow[sg.group_start + b * kBlock / sg.group_size]);
-    const float* xb = x + sg.k_start + int64_t(b) * kBlock;
-    float part[MR];
+  for (int b0 = 0; b0 < nb; b0 += kWarp) {  // the same steps in every warp of the block
+    const int b = b0 + lane;
+    const bool mine = active && b < nb;
+    const int nt = nb - b0 < kWarp ? nb - b0 : kWarp;  // blocks in this tile
+    __syncthreads();                                  // every warp is done with the previous tile
+    for (int e = threadIdx.x; e < M * nt * 8; e += blockDim.x) {  // float4 units, 8 per block
+      const int m = e / (nt * 8), blk = e % (nt * 8) / 8, q4 = e % 8;
+      const float4 v = __ldg(reinterpret_cast<const float4*>(x + m * K + sg.k_start + int64_t(b0 + blk) * kBlock) + q4);
+      *reinterpret_cast<float4*>(tile + (m * kWarp + blk) * kTileStride + 4 * q4) = v;
+    }
+    __syncthreads();
+    if (!mine) continue;
+    uint32_t w[R][BITS];
+    float s[R], cs[R];
 #pragma unroll
-    for (int m = 0; m < MR; ++m) part[m] = 0.0f;
+    for (int r = 0; r < R; ++r) {
+      load_block_words<BITS>(row[r] + sg.byte_start + int64_t(b) * block_bytes(BITS), w[r]);
+      s[r] = __half2float(srow[r][sg.group_start + b * kBlock / sg.group_size]);
+      cs[r] = -c * s[r];  // (q - c) * s = q * s - c * s, exact in fp32 (a half-integer times an fp16)
+    }
+    const float* xs = tile + lane * kTileStride;
 #pragma unroll
     for (int i = 0; i < kBlock; i += 4) {
-      const float q0 = float(block_code<BITS>(w, i)) - c;
-      const float q1 = float(block_code<BITS>(w, i + 1)) - c;
-      const float q2 = float(block_code<BITS>(w, i + 2)) - c;
-      const float q3 = float(block_code<BITS>(w, i + 3)) - c;
+      float q[R][4];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) q[r][j] = fmaf(float(block_code<BITS>(w[r], i + j)), s[r], cs[r]);
 #pragma unroll
       for (int m = 0; m < MR; ++m) {
         if (m < M) {
-          const float4 xv = __ldg(reinterpret_cast<const float4*>(xb + m * K + i));
-          part[m] = fmaf(q0, xv.x, fmaf(q1, xv.y, fmaf(q2, xv.z, fmaf(q3, xv.w, part[m]))));
+          const float4 xv = *reinterpret_cast<const float4*>(xs + m * kWarp * kTileStride + i);
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+            acc[r][m] = fmaf(q[r][0], xv.x, fmaf(q[r][1], xv.y, fmaf(q[r][2], xv.z, fmaf(q[r][3], xv.w, acc[r][m]))));
         }
       }
     }
-#pragma unroll
-    for (int m = 0; m < MR; ++m) acc[m] = fmaf(s, part[m], acc[m]);
   }
 }
 
 template <int MR>
 __global__ void gemv_kernel(LayerDev L, const float* __restrict__ x, int M, float* __restrict__ z) {
-  const int64_t n = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  constexpr int R = gemv_rows_per_warp<MR>();
+  __shared__ __align__(16) float tile[MR * kWarp * kTileStride];
+  const int64_t n0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp * R;
   const int lane = threadIdx.x % kWarp;
-  if (n >= L.N) return;
-  const uint8_t* row = L.qweight + n * L.row_bytes;
-  const __half* srow = L.qscale + n * L.n_groups;
-  float acc[MR];
+  const bool active = n0 < L.N;  // warps past the last row still stage activations for the others
+  const uint8_t* row[R];
+  const __half* srow[R];
 #pragma unroll
-  for (int m = 0; m < MR; ++m) acc[m] = 0.0f;
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = n0 + r < L.N ? n0 + r : (active ? n0 : 0);  // past the last row: recompute a row, store nothing
+    row[r] = L.qweight + n * L.row_bytes;
+    srow[r] = L.qscale + n * L.n_groups;
+  }
+  float acc[R][MR];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int m = 0; m < MR; ++m) acc[r][m] = 0.0f;
   for (int s = 0; s < L.segs.count; ++s) {
     const Segment sg = L.segs.seg[s];
     switch (sg.bits) {
-      case 1: gemv_segment<1, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 2: gemv_segment<2, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 3: gemv_segment<3, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 4: gemv_segment<4, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 5: gemv_segment<5, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 6: gemv_segment<6, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
-      case 7: gemv_segment<7, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
-      default: gemv_segment<8, MR>(row, srow, sg, x, L.K, M, acc, lane); break;
+      case 1: gemv_segment<1, MR, R>(row, srow, sg, x, L.K, M, acc, lane, active, tile); break;
+      case 2: gemv_segment<2, MR, R>(row, srow, sg, x, L.K, M, acc, lane, active, tile); break;
+      case 3: gemv_segment<3, MR, R>(row, srow, sg, x, L.K, M, acc, lane, active, tile); break;
+      case 4: gemv_segment<4, MR, R>(row, srow, sg, x, L.K, M, acc, lane, active, tile); break;
+      case 5: gemv_segment<5, MR, R>(row, srow, sg, x, L.K, M, acc, lane, active, tile); break;
+      case 6: gemv_segment<6, MR, R>(row, srow, sg, x, L.K, M, acc, lane, active, tile); break;
+      case 7: gemv_segment<7, MR, R>(row, srow, sg, x, L.K, M, acc, lane, active, tile); break;
+      default: gemv_segment<8, MR, R>(row, srow, sg, x, L.K, M, acc, lane, active, tile); break;
     }
   }
+  if (!active) return;
 #pragma unroll
-  for (int m = 0; m < MR; ++m) {
-    const float v = warp_sum(acc[m]);
-    if (lane == 0 && m < M) z[m * L.N + n] = v;
-  }
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {
+      const float v = warp_sum(acc[r][m]);
+      if (lane == 0 && m < M && n0 + r < L.N) z[m * L.N + n0 + r] = v;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -151,14 +180,17 @@ __global__ void dequant_kernel(LayerDev L, int64_t n0, int64_t n1, __half* __res
 
 // ---------------------------------------------------------------------------------------------
 // Blockwise Hadamard transform. One thread block per (row, chunk of kChunk values); chunks are
-// whole Hadamard blocks (block <= 128 divides kChunk), butterflies in shared memory.
+// whole Hadamard blocks (block <= 128 divides kChunk), butterflies in shared memory. With `scatter`
+// (the inverse of the act-order permutation) value i is stored at scatter[i], so the transform and
+// the permutation u' = u[perm] of the forward pass are one launch.
 
 constexpr int kChunk = 2048;
 constexpr int kHadThreads = 256;
 
 template <typename TI, typename TO>
 __global__ void hadamard_kernel(const TI* __restrict__ in, TO* __restrict__ out, int64_t n, int block, float norm,
-                                const uint8_t* __restrict__ signs, bool signs_first, const float* __restrict__ bias) {
+                                const uint8_t* __restrict__ signs, bool signs_first, const float* __restrict__ bias,
+                                const int32_t* __restrict__ scatter) {
   __shared__ float sh[kChunk];
   const int64_t r = blockIdx.x;
   const int64_t c0 = int64_t(blockIdx.y) * kChunk;
@@ -179,22 +211,13 @@ __global__ void hadamard_kernel(const TI* __restrict__ in, TO* __restrict__ out,
     }
     __syncthreads();
   }
-  TO* dst = out + r * n + c0;
+  TO* dst = out + r * n;
   for (int i = threadIdx.x; i < len; i += blockDim.x) {
     float v = sh[i] * norm;
     if (signs && !signs_first) v *= sign_at(signs, c0 + i);
     if (bias) v += bias[c0 + i];
-    store_f<TO>(dst + i, v);
+    store_f<TO>(dst + (scatter ? int64_t(scatter[c0 + i]) : c0 + i), v);
   }
-}
-
-template <typename I>
-__global__ void gather_kernel(const float* __restrict__ in, const I* __restrict__ perm, int64_t M, int64_t K,
-                              float* __restrict__ out) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= M * K) return;
-  const int64_t m = i / K, k = i % K;
-  out[i] = in[m * K + int64_t(perm[k])];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -246,7 +269,7 @@ template <int BITS>
 __global__ void kv_quantize_kernel(const __half* __restrict__ x, int64_t rows, int d, float norm,
                                    const uint8_t* __restrict__ signs, uint8_t* __restrict__ packed,
                                    __half* __restrict__ scales) {
-  extern __shared__ float smem[];
+  float* smem = dynamic_shared<float>();
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t r = int64_t(blockIdx.x) * (blockDim.x / kWarp) + warp;
   if (r >= rows) return;
@@ -279,7 +302,7 @@ template <int BITS>
 __global__ void kv_dequantize_kernel(const uint8_t* __restrict__ packed, const __half* __restrict__ scales,
                                      int64_t rows, int d, float norm, bool rotate, const uint8_t* __restrict__ signs,
                                      __half* __restrict__ out) {
-  extern __shared__ float smem[];
+  float* smem = dynamic_shared<float>();
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t r = int64_t(blockIdx.x) * (blockDim.x / kWarp) + warp;
   if (r >= rows) return;
@@ -307,32 +330,36 @@ inline unsigned blocks_for(int64_t threads, int per_block) { return unsigned((th
 }  // namespace
 
 void launch_gemv(const LayerDev& L, const float* x, int M, float* z, cudaStream_t stream) {
-  const int threads = 128;  // 4 warps = 4 output rows per thread block
-  const unsigned grid = blocks_for(L.N * kWarp, threads);
+  if (L.N == 0 || M == 0) return;  // an empty grid is a launch error in CUDA
+  const int threads = 128;  // 4 warps, each R = gemv_rows_per_warp<MR>() output rows
+  auto grid = [&](int R) { return blocks_for((L.N + R - 1) / R * kWarp, threads); };
   if (M <= 1)
-    gemv_kernel<1><<<grid, threads, 0, stream>>>(L, x, M, z);
+    EXL_LAUNCH(grid(gemv_rows_per_warp<1>()), threads, 0, stream, gemv_kernel<1>)(L, x, M, z);
   else if (M <= 2)
-    gemv_kernel<2><<<grid, threads, 0, stream>>>(L, x, M, z);
+    EXL_LAUNCH(grid(gemv_rows_per_warp<2>()), threads, 0, stream, gemv_kernel<2>)(L, x, M, z);
   else if (M <= 4)
-    gemv_kernel<4><<<grid, threads, 0, stream>>>(L, x, M, z);
+    EXL_LAUNCH(grid(gemv_rows_per_warp<4>()), threads, 0, stream, gemv_kernel<4>)(L, x, M, z);
   else
-    gemv_kernel<8><<<grid, threads, 0, stream>>>(L, x, M, z);
+    EXL_LAUNCH(grid(gemv_rows_per_warp<8>()), threads, 0, stream, gemv_kernel<8>)(L, x, M, z);
 }
 
 void launch_dequant(const LayerDev& L, int64_t n0, int64_t n1, __half* out, cudaStream_t stream) {
+  if (n1 <= n0) return;
   const int threads = 256;
-  dequant_kernel<<<blocks_for((n1 - n0) * kWarp, threads), threads, 0, stream>>>(L, n0, n1, out);
+  EXL_LAUNCH(blocks_for((n1 - n0) * kWarp, threads), threads, 0, stream, dequant_kernel)(L, n0, n1, out);
 }
 
 void launch_hadamard(const void* in, bool in_half, void* out, bool out_half, int64_t rows, int64_t n, int64_t block,
-                     const uint8_t* signs, bool signs_first, const float* bias, cudaStream_t stream) {
+                     const uint8_t* signs, bool signs_first, const float* bias, const int32_t* scatter,
+                     cudaStream_t stream) {
   if (rows == 0 || n == 0) return;
   const dim3 grid(unsigned(rows), unsigned((n + kChunk - 1) / kChunk));
   const float norm = 1.0f / sqrtf(float(block));
   const int b = int(block);
-#define EXL_HAD(TI, TO)                                                                                        \
-  hadamard_kernel<TI, TO><<<grid, kHadThreads, 0, stream>>>(static_cast<const TI*>(in), static_cast<TO*>(out), \
-                                                            n, b, norm, signs, signs_first, bias)
+#define EXL_HAD(TI, TO)                                                                                 \
+  EXL_LAUNCH(grid, kHadThreads, 0, stream, hadamard_kernel<TI, TO>)(static_cast<const TI*>(in),                  \
+                                                                    static_cast<TO*>(out), n, b, norm, signs, \
+                                                                    signs_first, bias, scatter)
   if (in_half && out_half)
     EXL_HAD(__half, __half);
   else if (in_half)
@@ -344,23 +371,15 @@ void launch_hadamard(const void* in, bool in_half, void* out, bool out_half, int
 #undef EXL_HAD
 }
 
-void launch_gather(const float* in, const void* perm, int perm_bytes, int64_t M, int64_t K, float* out,
-                   cudaStream_t stream) {
-  const int threads = 256;
-  const unsigned grid = blocks_for(M * K, threads);
-  if (perm_bytes == 2)
-    gather_kernel<int16_t><<<grid, threads, 0, stream>>>(in, static_cast<const int16_t*>(perm), M, K, out);
-  else
-    gather_kernel<int32_t><<<grid, threads, 0, stream>>>(in, static_cast<const int32_t*>(perm), M, K, out);
-}
-
 void launch_kv_quantize(const __half* x, int64_t rows, int d, int bits, const uint8_t* signs, uint8_t* packed,
                         __half* scales, cudaStream_t stream) {
+  if (rows == 0) return;
   const int threads = 128, warps = threads / kWarp;
   const float norm = 1.0f / sqrtf(float(d));
   const unsigned grid = blocks_for(rows, warps);
   const size_t smem = size_t(warps) * d * sizeof(float);
-#define EXL_KVQ(B) kv_quantize_kernel<B><<<grid, threads, smem, stream>>>(x, rows, d, norm, signs, packed, scales)
+#define EXL_KVQ(B) \
+  EXL_LAUNCH(grid, threads, smem, stream, kv_quantize_kernel<B>)(x, rows, d, norm, signs, packed, scales)
   switch (bits) {
     case 4: EXL_KVQ(4); break;
     case 6: EXL_KVQ(6); break;
@@ -371,12 +390,13 @@ void launch_kv_quantize(const __half* x, int64_t rows, int d, int bits, const ui
 
 void launch_kv_dequantize(const uint8_t* packed, const __half* scales, int64_t rows, int d, int bits, bool rotate,
                           const uint8_t* signs, __half* out, cudaStream_t stream) {
+  if (rows == 0) return;
   const int threads = 128, warps = threads / kWarp;
   const float norm = 1.0f / sqrtf(float(d));
   const unsigned grid = blocks_for(rows, warps);
   const size_t smem = size_t(warps) * d * sizeof(float);
 #define EXL_KVD(B) \
-  kv_dequantize_kernel<B><<<grid, threads, smem, stream>>>(packed, scales, rows, d, norm, rotate, signs, out)
+  EXL_LAUNCH(grid, threads, smem, stream, kv_dequantize_kernel<B>)(packed, scales, rows, d, norm, rotate, signs, out)
   switch (bits) {
     case 4: EXL_KVD(4); break;
     case 6: EXL_KVD(6); break;

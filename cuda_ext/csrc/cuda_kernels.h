@@ -27,12 +27,12 @@ void launch_gemv(const LayerDev& L, const float* x, int M, float* z, cudaStream_
 // out[r, k] = Q[n0 + r, k] in fp16 for rows n0 <= n < n1.
 void launch_dequant(const LayerDev& L, int64_t n0, int64_t n1, __half* out, cudaStream_t stream);
 // Rows of n values: optional signs before, normalized blockwise FWHT (block 1 = none), optional
-// signs after, optional fp32 bias; in/out dtypes half or float (in_half / out_half).
+// signs after, optional fp32 bias; in/out dtypes half or float (in_half / out_half). With `scatter`
+// (int32 [n], a permutation) value i of a row is stored at scatter[i]: pass the inverse of the
+// act-order perm to get u' = u[perm] in the same launch.
 void launch_hadamard(const void* in, bool in_half, void* out, bool out_half, int64_t rows, int64_t n, int64_t block,
-                     const uint8_t* signs, bool signs_first, const float* bias, cudaStream_t stream);
-// out[m, k] = in[m, perm[k]] (fp32); perm int16 (perm_bytes 2) or int32.
-void launch_gather(const float* in, const void* perm, int perm_bytes, int64_t M, int64_t K, float* out,
-                   cudaStream_t stream);
+                     const uint8_t* signs, bool signs_first, const float* bias, const int32_t* scatter,
+                     cudaStream_t stream);
 // Quantized KV cache (docs/format.md §6): rows of d channels, d a power of two in 32..1024, bits
 // 4, 6 or 8, signs (packed bits, optional) of the rotation.
 void launch_kv_quantize(const __half* x, int64_t rows, int d, int bits, const uint8_t* signs, uint8_t* packed,

@@ -14,8 +14,16 @@ namespace exl {
 namespace cuda {
 namespace {
 
+// The device the kernels run on: CUDA, or the CPU when the host harness runs them (docs/cuda_host.md).
+#ifdef EXL_CUDA_HOST
+constexpr auto kKernelDevice = c10::DeviceType::CPU;
+#else
+constexpr auto kKernelDevice = c10::DeviceType::CUDA;
+#endif
+
 void check_cuda(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), "exl CUDA kernels: ", name, " must be a CUDA tensor, got one on ", t.device());
+  TORCH_CHECK(t.device().type() == kKernelDevice, "exl CUDA kernels: ", name, " must be a CUDA tensor, got one on ",
+              t.device());
 }
 
 cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
@@ -31,7 +39,8 @@ class QuantLinearCUDA {
     qscale_ = qscale.contiguous();
     TORCH_CHECK(reinterpret_cast<uintptr_t>(qweight_.data_ptr()) % 4 == 0,
                 "exl QuantLinear: qweight must be 4-byte aligned on the GPU (copy it with .contiguous().clone())");
-    if (present(perm)) perm_ = perm->to(dev).contiguous();
+    // u' = u[perm] is stored by the Hadamard launch: value i goes to inverse_perm[i]
+    if (present(perm)) perm_inv_ = perm->to(dev, torch::kLong).argsort().to(torch::kInt).contiguous();
     if (present(su)) su_ = su->to(dev).contiguous();
     if (present(sv)) sv_ = sv->to(dev).contiguous();
     if (present(bias)) bias_ = bias->to(dev, torch::kFloat32).contiguous();
@@ -77,17 +86,11 @@ class QuantLinearCUDA {
     const bool gemv = path == "gemv" || (path == "auto" && M <= kMaxGemvRows);
     const auto f32 = x.options().dtype(torch::kFloat32);
 
-    // 1. u = H (D_u x) in fp32 (a plain fp16 -> fp32 copy without su)
+    // 1.+2. u' = (H (D_u x))[perm] in fp32, one launch (a plain fp16 -> fp32 copy without su and perm)
     auto u = torch::empty({M, K}, f32);
     launch_hadamard(x2.data_ptr(), true, u.data_ptr(), false, M, K, su_.defined() ? hadamard_block(K) : 1,
-                    su_.defined() ? su_.data_ptr<uint8_t>() : nullptr, true, nullptr, stream());
-    // 2. u' = u[perm]
-    if (perm_.defined()) {
-      auto g = torch::empty({M, K}, f32);
-      launch_gather(u.data_ptr<float>(), perm_.data_ptr(), int(perm_.element_size()), M, K, g.data_ptr<float>(),
-                    stream());
-      u = g;
-    }
+                    su_.defined() ? su_.data_ptr<uint8_t>() : nullptr, true, nullptr,
+                    perm_inv_.defined() ? perm_inv_.data_ptr<int32_t>() : nullptr, stream());
     // 3. z = Q u'
     auto z = torch::empty({M, N}, f32);
     if (gemv) {
@@ -108,13 +111,13 @@ class QuantLinearCUDA {
     // 4.+5. y = D_v (H z) + bias, to fp16
     launch_hadamard(z.data_ptr(), false, y.data_ptr(), true, M, N, sv_.defined() ? hadamard_block(N) : 1,
                     sv_.defined() ? sv_.data_ptr<uint8_t>() : nullptr, false,
-                    bias_.defined() ? bias_.data_ptr<float>() : nullptr, stream());
+                    bias_.defined() ? bias_.data_ptr<float>() : nullptr, nullptr, stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return y.reshape(out_shape);
   }
 
  private:
-  torch::Tensor qweight_, qscale_, perm_, su_, sv_, bias_;
+  torch::Tensor qweight_, qscale_, perm_inv_, su_, sv_, bias_;
   LayerDev layer_{};
 };
 
@@ -138,7 +141,7 @@ torch::Tensor fwht(const torch::Tensor& x, int64_t block, c10::optional<torch::T
   auto y = torch::empty_like(xc);
   const bool half = x.scalar_type() == torch::kHalf;
   launch_hadamard(xc.data_ptr(), half, y.data_ptr(), half, n ? xc.numel() / n : 0, n, block,
-                  s.defined() ? s.data_ptr<uint8_t>() : nullptr, signs_first, nullptr, stream());
+                  s.defined() ? s.data_ptr<uint8_t>() : nullptr, signs_first, nullptr, nullptr, stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return y;
 }
@@ -206,11 +209,8 @@ torch::Tensor kv_dequantize(const torch::Tensor& packed, const torch::Tensor& sc
 }
 
 }  // namespace
-}  // namespace cuda
-}  // namespace exl
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using exl::cuda::QuantLinearCUDA;
+void bind(pybind11::module_& m) {
   m.doc() = "exl CUDA kernels: fused dequant GEMV, GEMM via cuBLAS, Hadamard, quantized KV cache";
   m.def("fwht", &exl::cuda::fwht, py::arg("x"), py::arg("block") = 0, py::arg("signs") = py::none(),
         py::arg("signs_first") = true);
@@ -227,3 +227,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("in_features", &QuantLinearCUDA::in_features)
       .def_property_readonly("out_features", &QuantLinearCUDA::out_features);
 }
+
+}  // namespace cuda
+}  // namespace exl
+
+#ifndef EXL_CUDA_OPS_NO_MODULE  // the host harness builds its own module around bind()
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { exl::cuda::bind(m); }
+#endif

@@ -89,6 +89,17 @@ class PageTable:
         return out
 
 
+CACHE_MODES = {"auto": (None, None), "fp32": (32, 32), "fp16": (16, 16), "q8": (8, 8), "q6": (6, 6), "q4": (4, 4),
+               "q8k4v": (8, 4)}  # name -> (k_bits, v_bits); "auto": the model's dtype
+
+
+def cache_bits(mode: str) -> tuple[int | None, int | None]:
+    """(k_bits, v_bits) of a cache mode name (CACHE_MODES)."""
+    if mode not in CACHE_MODES:
+        raise ValueError(f"cache mode {mode!r} is not one of {', '.join(CACHE_MODES)}")
+    return CACHE_MODES[mode]
+
+
 class PagedCache:
     """A pool of KV pages for one model, shared by all sequences of a Generator.
 

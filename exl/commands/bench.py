@@ -1,4 +1,5 @@
-"""`exl bench`: prompt-processing and generation speed in the style of llama-bench."""
+"""`exl bench`: prompt-processing and generation speed in the style of llama-bench, measured through the
+generator (the path every other command and the server use; see exl.benchmark)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from exl.errors import ExlError
 
 def add_arguments(p):
     p.add_argument("-m", "--model", required=True, help="model folder (dense or exl-quantized)")
-    p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for the pp test (default 512, 0 skips)")
-    p.add_argument("-n", "--n-gen", type=int, default=128, help="tokens for the tg test (default 128, 0 skips)")
+    p.add_argument("-p", "--n-prompt", type=int, default=512,
+                   help="prompt tokens for the pp test: one job's prefill (default 512, 0 skips)")
+    p.add_argument("-n", "--n-gen", type=int, default=128,
+                   help="tokens for the tg test: one job's decode steps (default 128, 0 skips)")
     p.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs per test after one warm-up (default 3)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")

@@ -12,7 +12,17 @@ def add_sampling_arguments(p):
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed for reproducible sampling (the same tokens as exl.simple, the Generator and "
+                        "`exl serve` with this seed)")
+    add_cache_arguments(p)
+
+
+def add_cache_arguments(p):
+    from exl.cache.paged import CACHE_MODES
+
+    p.add_argument("--cache-mode", choices=list(CACHE_MODES), default="auto",
+                   help="KV-cache precision (default auto: the model's dtype, as `exl serve`)")
 
 
 def check_sampling_arguments(args):
@@ -42,7 +52,7 @@ def add_arguments(p):
 
 def run(args) -> int:
     from exl.runtime import load_for_cli
-    from exl.simple import Stats, stream
+    from exl.simple import Stats, make_generator, stream
     from exl.tokenizer import Tokenizer
 
     check_sampling_arguments(args)
@@ -54,9 +64,13 @@ def run(args) -> int:
                                add_bos=False)
     else:
         ids = tokenizer.encode(prompt)
+    ctx = model.config.max_position_embeddings
+    if len(ids) >= ctx:
+        raise ExlError(f"the prompt is {len(ids)} tokens; this model's context is {ctx}")
+    gen = make_generator(model, tokenizer, min(ctx, len(ids) + args.max_new_tokens), cache_mode=args.cache_mode)
     stats = Stats()
     for chunk in stream(model, tokenizer, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                        args.seed, stats=stats):
+                        args.seed, stats=stats, generator=gen):
         sys.stdout.write(chunk)
         sys.stdout.flush()
     sys.stdout.write("\n")

@@ -51,11 +51,13 @@ class Builder:
         c = self.config
         return self.loader.get("model.embed_tokens.weight", shape=(c.vocab_size, c.hidden_size), device=self.device)
 
-    def head(self, embed_tokens: torch.Tensor | None) -> nn.Module | None:
-        """The output head: stored `lm_head`, else tied to the embedding."""
+    def head(self, embed_tokens: torch.Tensor | None = None) -> nn.Module | None:
+        """The output head: stored `lm_head`, else tied to the embedding (read here if not given)."""
         c = self.config
         if "lm_head.weight" in self.loader or "lm_head.qweight" in self.loader:
             return self.linear("lm_head", c.hidden_size, c.vocab_size)
+        if embed_tokens is None:
+            embed_tokens = self.embedding()
         return Linear(embed_tokens if embed_tokens.dtype == self.dtype else embed_tokens.to(self.dtype))
 
     def linear(self, prefix: str, k: int, n: int, bias: bool = False):
@@ -104,53 +106,75 @@ class CausalLM(nn.Module):
     embed_scale: float | None = None
 
     def __init__(self, config: ModelConfig, loader: TensorLoader, dtype=torch.float32, device="cpu", progress=True,
-                 builder: Builder | None = None):
+                 builder: Builder | None = None, lazy: bool = False):
         super().__init__()
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         b = builder or Builder(config, loader, dtype, device)
-        embed = b.embedding()
-        # Keep a half-precision embedding as stored (a quantized model's embedding is fp16): rows are
-        # converted on lookup. Full precision stays in the compute dtype.
-        self.embed_tokens = None if embed is None else nn.Parameter(
-            embed if embed.dtype == torch.float16 else embed.to(dtype), requires_grad=False)
+        if lazy:  # a skeleton (see `lazy`): nothing read yet
+            self.builder = b
+            self.embed_tokens = self.norm = self.lm_head = None
+            self.layers = nn.ModuleList()
+            return
+        self.embed_tokens = self.build_embedding(b)
         blocks = b.layer_ids()
         if progress:
             blocks = tqdm(blocks, desc="loading", unit="layer", leave=False)
         self.layers = nn.ModuleList(self.build_block(b, i, f"model.layers.{i}") for i in blocks)
-        self.norm = b.norm("model.norm.weight", offset=self.norm_offset)
+        self.norm = self.build_norm(b)
         self.lm_head = b.head(self.embed_tokens)
+
+    @classmethod
+    def lazy(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> "CausalLM":
+        """The model of a folder with no weight read yet: its pieces are built one at a time, on request, with
+        `model.builder` (build_embedding, build_block, build_norm, builder.head). The quantizer walks a source
+        model this way, keeping one block in memory."""
+        config = ModelConfig.from_dir(path)
+        return cls._family(config, path)(config, TensorLoader(path), dtype, device, lazy=True)
+
+    def build_embedding(self, b: Builder) -> nn.Parameter | None:
+        """The token embedding. A half-precision one is kept as stored (a quantized model's embedding is fp16):
+        rows are converted on lookup. Full precision stays in the compute dtype."""
+        embed = b.embedding()
+        if embed is None:
+            return None
+        return nn.Parameter(embed if embed.dtype == torch.float16 else embed.to(self.dtype), requires_grad=False)
 
     def build_block(self, b: Builder, layer: int, prefix: str) -> nn.Module:
         raise NotImplementedError
 
+    def build_norm(self, b: Builder) -> RMSNorm:
+        return b.norm("model.norm.weight", offset=self.norm_offset)
+
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype | None = None, device="cpu", progress=True,
-             tp: int | None = None, gpu_split=None, **parallel) -> "CausalLM":
-        """Load a Hugging Face or exl-quantized model folder.
-
-        tp=N (N ≥ 2) or gpu_split=[GiB, ...]: split it over several devices, one process each
-        (returns an exl.parallel.ParallelModel; see docs/parallel.md and `load_parallel`).
-        """
-        if (tp and tp > 1) or gpu_split:
-            from exl.parallel import load_parallel
-
-            return load_parallel(path, tp=tp, gpu_split=gpu_split, dtype=dtype, device=device, progress=progress,
-                                 **parallel)
+    def load(cls, path: str | Path, dtype: torch.dtype | None = None, device="cpu", progress=True) -> "CausalLM":
+        """Load a Hugging Face or exl-quantized model folder onto one device (exl.load_model is the public
+        entry: it also splits a model over several devices)."""
         config = ModelConfig.from_dir(path)
+        family = cls._family(config, path)
+        dtype = dtype or (torch.float16 if torch.device(device).type == "cuda" else torch.float32)
+        require_kernels(config, dtype, device)
+        model = family(config, TensorLoader(path), dtype, device, progress)
+        model.path = Path(path)
+        return model.eval()
+
+    @staticmethod
+    def _family(config: ModelConfig, path: str | Path) -> type["CausalLM"]:
+        """The family class of a model folder's architecture."""
+        import exl.models  # noqa: F401  (registers the families)
+
         family = ARCHITECTURES.get(config.architecture)
         if family is None:
             raise UnsupportedModelError(
                 f"{Path(path) / 'config.json'}: architecture {config.architecture!r} is not supported. "
                 f"Supported: {', '.join(sorted(ARCHITECTURES))}.")
-        dtype = dtype or (torch.float16 if torch.device(device).type == "cuda" else torch.float32)
-        model = family(config, TensorLoader(path), dtype, device, progress)
-        model.path = Path(path)
-        return model.eval()
+        return family
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = nn.functional.embedding(input_ids, self.embed_tokens).to(self.dtype)
+    def embed(self, input_ids: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+        """Block 0's input. table: this embedding instead of the model's own (a lazy model's, built apart)."""
+        table = self.embed_tokens if table is None else table
+        h = nn.functional.embedding(input_ids, table).to(self.dtype)
         if self.embed_scale is not None:
-            h = h * torch.tensor(self.embed_scale, dtype=self.embed_tokens.dtype).to(self.dtype)
+            h = h * torch.tensor(self.embed_scale, dtype=table.dtype).to(self.dtype)
         return h
 
     @torch.inference_mode()
@@ -180,17 +204,28 @@ class CausalLM(nn.Module):
         """A family's one-call decode step over every block (see Llama), or None: run them one by one."""
         return None
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.norm(h)).float()
+    def logits(self, h: torch.Tensor, norm: nn.Module | None = None, head: nn.Module | None = None) -> torch.Tensor:
+        """Float32 logits of final hidden states, soft-capped where the family caps them. norm / head: these instead
+        of the model's own (a lazy model's, or a quantized head the quantizer compares)."""
+        norm = self.norm if norm is None else norm
+        head = self.lm_head if head is None else head
+        logits = head(norm(h)).float()
         cap = self.config.final_logit_softcapping
         if cap:
             logits = cap * torch.tanh(logits / cap)
         return logits
 
 
-def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu", progress=True,
-               **parallel) -> CausalLM:
-    """Load any supported model folder (dense or exl-quantized); tp=N splits it (CausalLM.load)."""
-    import exl.models  # noqa: F401  (registers the families)
+def require_kernels(config: ModelConfig, dtype: torch.dtype, device) -> None:
+    """Build (or load the cached) extension this model will run on, now: a build failure stops the load
+    with cuda_ext.ExtensionBuildError (what failed, the compiler's first error, how to fix it) instead of
+    a slow fallback. With EXL_NO_EXT=1 nothing is built and the reference path runs."""
+    import cuda_ext
+    from exl.modules import fused
 
-    return CausalLM.load(path, dtype, device, progress, **parallel)
+    kind = torch.device(device).type
+    if kind == "cuda" and config.quantization:
+        cuda_ext.cuda()
+    elif kind == "cpu" and (config.quantization or (dtype == torch.float32 and fused.enabled())):
+        cuda_ext.cpu()
+

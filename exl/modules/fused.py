@@ -3,8 +3,9 @@ extension (cuda_ext/csrc/cpu_fused.cpp) instead of chains of small torch ops.
 
 Each module keeps its plain-PyTorch code as the reference and asks `ops(x)` first: it returns
 the extension module when x is a float32 CPU tensor, autograd is off (the fused ops have no
-backward; `CausalLM.forward` runs in inference mode), the extension is built and the fast path is
-on, else None (then the reference code runs). `disabled()` turns the fast path off for a block
+backward; `CausalLM.forward` runs in inference mode) and the fast path is on, else None (then the
+reference code runs). An extension that cannot be built raises (cuda_ext.ExtensionBuildError);
+EXL_NO_EXT=1 (no extension at all) also turns the fast path off. `disabled()` turns the fast path off for a block
 of code (tests and benchmarks compare both paths); EXL_NO_FUSED=1 turns it off for the process.
 """
 
@@ -15,7 +16,7 @@ import os
 
 import torch
 
-_ext = None  # the extension module, False when unusable; resolved on first use
+_ext = None  # the extension module, resolved on first use
 _enabled = os.environ.get("EXL_NO_FUSED") != "1"
 
 # ACTIVATIONS names (exl.modules.mlp) -> the extension's act_mul_ kinds
@@ -27,8 +28,7 @@ def _load():
     global _ext
     import cuda_ext
 
-    ext = cuda_ext.cpu()
-    _ext = ext if ext is not None and hasattr(ext, "decode_attention") else False  # an older prebuilt lacks them
+    _ext = cuda_ext.cpu()  # raises when it cannot be built; None only with EXL_NO_EXT=1
     return _ext
 
 
@@ -36,7 +36,7 @@ def ops(x: torch.Tensor):
     """The extension module when the fused ops apply to x (float32, CPU, no autograd, built, on)."""
     if not _enabled or x.dtype is not torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
         return None
-    return (_ext if _ext is not None else _load()) or None
+    return _ext if _ext is not None else _load()
 
 
 def enabled() -> bool:

@@ -7,7 +7,8 @@ The module holds only the stored tensors (`qweight`, `qscale`, `qmeta` and the o
 - the CPU extension for float32 inputs on the CPU: a fused GEMV with int8-quantized activations
   for fewer than `gemm_min_rows` rows (or exact fp32 when `exact=True`; either reads the packed
   weights once for up to 16 rows), and tile-wise dequant + BLAS GEMM for more;
-- `exl.format.reference_forward` when no extension can be built (warned once by cuda_ext).
+- `exl.format.reference_forward` only when asked for (EXL_NO_EXT=1). An extension that cannot be
+  built raises cuda_ext.ExtensionBuildError; a device without exl kernels raises ExlError.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import torch
 
 from exl import format as F
+from exl.errors import ExlError
 
 REQUIRED = ("qweight", "qscale", "qmeta")
 OPTIONAL = ("perm", "su", "sv", "bias")
@@ -80,7 +82,12 @@ class KernelLinear(torch.nn.Module):
         import cuda_ext
 
         device = getattr(self, self.REQUIRED[0]).device
-        ext = cuda_ext.cuda() if device.type == "cuda" else cuda_ext.cpu() if device.type == "cpu" else None
+        if cuda_ext.reference_only():
+            return None
+        if device.type not in ("cpu", "cuda"):
+            raise ExlError(f"{type(self).__name__}: exl has no kernels for device '{device.type}' (CPU and CUDA only); "
+                           f"set EXL_NO_EXT=1 to run the slow plain-PyTorch reference path there on purpose")
+        ext = cuda_ext.cuda() if device.type == "cuda" else cuda_ext.cpu()
         return self._make_kernel(ext, device) if ext else None
 
     def kernel(self):

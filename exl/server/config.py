@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from exl.errors import ExlError
 
-CACHE_MODES = {"fp16": (16, 16), "q8": (8, 8), "q6": (6, 6), "q4": (4, 4), "q8k4v": (8, 4)}
+CacheMode = Literal["auto", "fp32", "fp16", "q8", "q6", "q4", "q8k4v"]  # exl.cache.paged.CACHE_MODES
 
 
 class ConfigError(ExlError):
@@ -65,8 +65,9 @@ class ModelSection(_Section):
                                    "default: the model's context, capped by the cache size", ge=16)
     cache_size: int | None = _opt("--cache-size", "KV-cache size in tokens, shared by all running requests; "
                                   "default: max_seq_len (or 8192 for models with longer context)", ge=16)
-    cache_mode: Literal["fp16", "q8", "q6", "q4", "q8k4v"] = _opt(
-        "--cache-mode", "KV-cache precision: fp16, q8, q6, q4 (bits per key/value) or q8k4v", "fp16")
+    cache_mode: CacheMode = _opt(
+        "--cache-mode", "KV-cache precision: auto (the model's dtype, as every exl command), fp32, fp16, q8, q6, q4 "
+        "(bits per key/value) or q8k4v", "auto")
     page_size: int = _opt("--page-size", "tokens per KV-cache page", 256, ge=16)
     max_batch_size: int = _opt("--max-batch-size", "requests decoded together at most (more wait in a queue)",
                                32, ge=1)
@@ -87,8 +88,7 @@ class DraftSection(_Section):
 
     name: str | None = _opt("--draft-model", "draft model folder (inside model_dir), same tokenizer as the model")
     num_draft_tokens: int = _opt("--num-draft-tokens", "tokens drafted per step", 4, ge=1, le=16)
-    cache_mode: Literal["fp16", "q8", "q6", "q4", "q8k4v"] = _opt("--draft-cache-mode", "draft KV-cache precision",
-                                                                   "fp16")
+    cache_mode: CacheMode = _opt("--draft-cache-mode", "draft KV-cache precision (as --cache-mode)", "auto")
     ngram: bool = _opt("--ngram-draft", "draft from n-grams of the context instead of a draft model", False)
 
 
@@ -219,9 +219,11 @@ def load_config(args: argparse.Namespace | None = None, path: str | Path | None 
         raise ConfigError(_format_errors(e, where)) from None
 
 
-def cache_bits(mode: str) -> tuple[int, int]:
+def cache_bits(mode: str) -> tuple[int | None, int | None]:
     """(k_bits, v_bits) of a cache mode name."""
-    return CACHE_MODES[mode]
+    from exl.cache.paged import cache_bits as bits
+
+    return bits(mode)
 
 
 def sample_config() -> str:

@@ -230,7 +230,7 @@ class ModelManager:
     def _load_sync(self, name, folder, draft_name, draft_folder, options, draft_opts) -> LoadedModel:
         import exl
         from exl.errors import ExlError
-        from exl.runtime import pick_device
+        from exl.loading import pick_device
         from exl.tokenizer import Tokenizer
 
         cfg, dcfg = self.config.model, self.config.draft
@@ -239,13 +239,9 @@ class ModelManager:
         mode = options.get("cache_mode") or cfg.cache_mode
         try:
             tokenizer = Tokenizer.from_dir(folder)
-            if cfg.tp > 1 or cfg.gpu_split:
-                from exl.parallel import load_parallel
-
-                model = load_parallel(folder, tp=cfg.tp if cfg.tp > 1 else None, gpu_split=cfg.gpu_split,
-                                      progress=False)
-            else:
-                model = exl.load_model(folder, device=device, progress=False)
+            parallel = cfg.tp > 1 or bool(cfg.gpu_split)
+            model = exl.load_model(folder, device=cfg.device if parallel else device, tp=cfg.tp,
+                                   gpu_split=cfg.gpu_split, progress=False)
             max_seq_len, cache_size = self._sizes(model.config.max_position_embeddings, options)
             draft_model = exl.load_model(draft_folder, device=device, progress=False) if draft_folder else None
             stack = GeneratorStack(

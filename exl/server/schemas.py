@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from exl.server.config import CacheMode
+
 MAX_N = 16
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
@@ -334,7 +336,7 @@ class ModelList(_Body):
 class DraftLoadOptions(_Request):
     name: str | None = Field(None, max_length=1024)
     num_draft_tokens: int | None = Field(None, ge=1, le=16)
-    cache_mode: Literal["fp16", "q8", "q6", "q4", "q8k4v"] | None = None
+    cache_mode: CacheMode | None = None
     ngram: bool | None = None
 
 
@@ -342,7 +344,7 @@ class ModelLoadRequest(_Request):
     name: str = Field(..., min_length=1, max_length=1024, description="a model folder inside the model directory")
     max_seq_len: int | None = Field(None, ge=16, le=10_000_000)
     cache_size: int | None = Field(None, ge=16, le=100_000_000)
-    cache_mode: Literal["fp16", "q8", "q6", "q4", "q8k4v"] | None = None
+    cache_mode: CacheMode | None = None
     max_batch_size: int | None = Field(None, ge=1, le=1024)
     tool_format: Literal["auto", "hermes", "llama3", "mistral", "none"] | None = None
     draft: DraftLoadOptions | None = None

@@ -9,10 +9,10 @@ bound is 2^-8 * c, with c the sum of absolute products (see tests/test_kernels.p
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+
+from cuda_reference import LAYER_KEYS, check_forward, kv_reference, kv_unpack, random_layer
 
 from exl import format as F
 
@@ -29,58 +29,13 @@ def ext():
     return build.load_cuda()
 
 
-def random_layer(n, segs, *, perm=True, su=True, sv=True, bias=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    k = sum(s.k_len for s in segs)
-    codes = torch.cat([torch.randint(0, 2**s.bits, (n, s.k_len), generator=g) for s in segs], 1).to(torch.uint8)
-    scale = torch.rand(n, sum(s.n_groups for s in segs), generator=g) * 0.1 + 0.01
-    t = {"qweight": F.pack_codes(codes, segs), "qscale": scale.half(), "qmeta": F.segments_to_meta(segs)}
-    if perm:
-        t["perm"] = torch.randperm(k, generator=g).to(F.perm_dtype(k))
-    if su:
-        t["su"] = F.pack_signs(torch.where(torch.rand(k, generator=g) < 0.5, -1, 1))
-    if sv:
-        t["sv"] = F.pack_signs(torch.where(torch.rand(n, generator=g) < 0.5, -1, 1))
-    if bias:
-        t["bias"] = torch.randn(n, generator=g)
-    return t
-
-
 def on_gpu(t):
     return {k: v.cuda() for k, v in t.items()}
 
 
-def abs_bound(x, t):
-    """fp64 reference and c = |u'| @ |Q|^T (rotated domain), plus |y| for output rounding."""
-    segs = F.segments_from_meta(t["qmeta"])
-    q = F.dequantize_codes(F.unpack_codes(t["qweight"], segs), t["qscale"], segs, torch.float64)
-    n, k = q.shape
-    u = x.double()
-    if "su" in t:
-        u = F.fwht(u * F.unpack_signs(t["su"], k, torch.float64))
-    if "perm" in t:
-        u = u[:, t["perm"].long()]
-    z, c = u @ q.T, u.abs() @ q.abs().T
-    if "sv" in t:
-        z = F.fwht(z) * F.unpack_signs(t["sv"], n, torch.float64)
-        b = F.hadamard_block(n)
-        c = c.view(-1, n // b, b).sum(-1, keepdim=True).expand(-1, -1, b).reshape(c.shape) / math.sqrt(b)
-    if "bias" in t:
-        z = z + t["bias"].double()
-    return z, c
-
-
 def check(ext, t, m, path, seed=1):
-    k = sum(int(r[0]) for r in t["qmeta"])
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).half()
-    layer = ext.QuantLinearCUDA(*[t.get(n) for n in ("qweight", "qscale", "qmeta", "perm", "su", "sv", "bias")])
-    got = layer.forward(x.cuda(), path).double().cpu()
-    want, c = abs_bound(x.float(), {kk: v.cpu() for kk, v in t.items()})
-    # GEMM: fp16 activations and weights, and cuBLAS may reduce partial sums in fp16
-    rel = 2.0**-8 if path == "gemm" else 2.0**-20 * (math.sqrt(k) + 8)
-    bound = rel * c + 2.0**-11 * want.abs() + 1e-6
-    err = (got - want).abs()
-    assert bool((err <= bound).all()), f"{path}: worst err/bound {(err / bound).max():.3g}"
+    layer = ext.QuantLinearCUDA(*[t.get(n) for n in LAYER_KEYS])
+    check_forward(layer, t, m, path, seed)
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
@@ -143,27 +98,6 @@ def test_fwht(ext, n, dtype):
 
 # ---------------------------------------------------------------------------------------------
 # quantized KV cache (docs/format.md §6)
-
-
-def kv_reference(x, bits, signs=None):
-    """Plain-PyTorch §6 quantizer: rotate, per-32 fp16 scales, LSB-first bit stream."""
-    d = x.shape[-1]
-    y = x.float() * (F.unpack_signs(signs, d) if signs is not None else 1.0)
-    y = F.fwht(y, block=d).unflatten(-1, (-1, 32))
-    c = (2**bits - 1) / 2
-    scale = (y.abs().amax(-1, keepdim=True) / c).clamp_min(1e-8).half()
-    codes = torch.round(y / scale.float() + c).clamp(0, 2**bits - 1).to(torch.int64).flatten(-2)
-    bitpos = torch.arange(d) * bits
-    stream = torch.zeros(*codes.shape[:-1], d * bits, dtype=torch.int64)
-    for j in range(bits):
-        stream[..., bitpos + j] = (codes >> j) & 1
-    packed = (stream.unflatten(-1, (-1, 8)) << torch.arange(8)).sum(-1).to(torch.uint8)
-    return packed, scale.squeeze(-1), y.flatten(-2)
-
-
-def kv_unpack(packed, bits, d):
-    bits_ = ((packed.to(torch.int64).unsqueeze(-1) >> torch.arange(8)) & 1).flatten(-2)
-    return (bits_.unflatten(-1, (d, bits)) << torch.arange(bits)).sum(-1)
 
 
 @pytest.mark.parametrize("bits", [4, 6, 8])

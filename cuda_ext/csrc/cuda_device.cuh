@@ -1,0 +1,37 @@
+// What every .cu file of exl shares: the launch macro, dynamic shared memory, warp helpers.
+// Written so that the host harness (host/cuda_host.h, docs/cuda_host.md) can run the same source.
+#pragma once
+#include <cuda_runtime.h>
+
+// kernel<<<grid, block, smem, stream>>>(args...) is written
+// EXL_LAUNCH(grid, block, smem, stream, kernel)(args...); the host harness defines its own.
+#ifndef EXL_LAUNCH
+#define EXL_LAUNCH(grid, block, smem, stream, ...) __VA_ARGS__<<<grid, block, smem, stream>>>
+#endif
+
+namespace exl {
+namespace cuda {
+
+constexpr int kWarp = 32;
+constexpr unsigned kFull = 0xffffffffu;
+
+// The launch's dynamic shared memory as T* (one declaration for all kernels, so that templates
+// over different T do not clash; `extern __shared__` arrays are not used directly).
+template <typename T>
+__device__ __forceinline__ T* dynamic_shared() {
+#ifdef EXL_CUDA_HOST
+  return reinterpret_cast<T*>(::exl_host::dynamic_shared_base());
+#else
+  extern __shared__ __align__(16) unsigned char exl_dynamic_shared[];
+  return reinterpret_cast<T*>(exl_dynamic_shared);
+#endif
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+
+}  // namespace cuda
+}  // namespace exl

@@ -1,0 +1,3 @@
+// Host harness stand-in for the CUDA toolkit header of this name (docs/cuda_host.md).
+#pragma once
+#include "cuda_host.h"
