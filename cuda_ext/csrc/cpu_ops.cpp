@@ -297,6 +297,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   void register_fused(py::module_&); register_fused(m);  // the fused decode ops, cpu_fused.cpp
   py::class_<exl::cpu::LinearCPU>(m, "LinearCPU");  // the base of every CPU linear layer the decode step takes
   void register_trellis(py::module_&); register_trellis(m);  // TrellisLinearCPU, cpu_trellis_ops.cpp
+  void register_trellis_encode(py::module_&); register_trellis_encode(m);  // the trellis encoder, trellis_encode.cpp
   void register_step(py::module_&); register_step(m);    // the one-call decode step, cpu_step.cpp
   m.def("isa_names", &exl::cpu::isa_names, "Instruction sets usable on this CPU, best last");
   m.def("parallel_chunks", &exl::cpu::parallel_chunks, "Chunks at::parallel_for runs for n units (threading check)");
