@@ -185,7 +185,11 @@ def test_trellis_conversion_loads_accounts_bits_and_beats_scalar(tiny, trellis_c
     lin = model.layers[1].mlp.down
     assert type(lin).__name__ == "TrellisLinear"
     x = torch.randn(3, 96)
-    torch.testing.assert_close(lin(x), F.reference_forward(x, t), rtol=1e-4, atol=1e-4)
+    want = F.reference_forward(x, t)
+    assert (lin(x) - want).abs().max() < 0.02 * want.abs().max()  # int8 activations (the default): ~0.5% RMS
+    lin.exact = True  # fp32 activations: the reference's numbers
+    torch.testing.assert_close(lin(x), want, rtol=1e-4, atol=1e-4)
+    lin.exact = False
     scalar = convert(tiny_job(tiny, tmp_path / "s3", bits=3.0, rows=16, length=64), progress=False)
     kl_t = _kl_on_fresh_text(tiny, model, ref)
     kl_s = _kl_on_fresh_text(tiny, exl.load_model(tmp_path / "s3", progress=False), ref)
@@ -433,7 +437,7 @@ def test_real_model_end_to_end(smollm_dir, tmp_path):
     """SmolLM2-135M with little calibration: the whole pipeline on the real architecture and sizes."""
     out = tmp_path / "smol"
     job = Job(input=str(smollm_dir), output=str(out), bits=4.0, rows=2, length=256,
-              options=QuantOptions(measure_rows=32, fisher_rows=1, transform="su+perm"))
+              options=QuantOptions(measure_rows=32, fisher_rows=1, transform="su+perm", codes="scalar"))
     report = convert(job, progress=False)
     assert abs(report["measured_bpw"] - 4.0) <= 0.02
     bits, weights, _ = quant_layer_bits(out)
