@@ -471,7 +471,7 @@ GEMMA_CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
     "{%- if loop.first and system is not none -%}{{ system | trim + '\n\n' }}{%- endif -%}"
-    "{{ message['content'] | trim }}<end_of_turn>\n"
+    "{{ message['content'] | trim + '<end_of_turn>\\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
 )
