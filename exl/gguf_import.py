@@ -539,7 +539,7 @@ def _commit_output(tmp: Path, out_dir: Path) -> None:
 
 def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
                 shard_size: int = DEFAULT_SHARD_SIZE, force: bool = False) -> Path:
-    """Convert a llama-architecture GGUF file into a Hugging Face folder at `out_dir`; returns `out_dir`.
+    """Convert a llama- or gemma3-architecture GGUF file into a Hugging Face folder at `out_dir`; returns `out_dir`.
 
     dtype: torch dtype (or "float32"/"float16"/"bfloat16") of the written weights.
     shard_size: most bytes per safetensors file; more than that gives shards plus an index.
@@ -589,7 +589,7 @@ def parse_size(text: str) -> int:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("gguf", help="llama-architecture .gguf file")
+    parser.add_argument("gguf", help="llama- or gemma3-architecture .gguf file")
     parser.add_argument("-o", "--output", required=True, help="folder to write the Hugging Face model into")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype (default float32)")
     parser.add_argument("--shard-size", default="5GB", help="largest safetensors file, e.g. 2GB (default 5GB)")
