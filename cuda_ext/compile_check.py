@@ -3,7 +3,7 @@
 Compiles every csrc/*.cu with nvcc for sm_75, 80, 86, 89, 90 and 120 (RTX 20/30/40/50 series and
 A100/H100; those this nvcc supports) in one nvcc call per file, with `ptxas -v`, and fails on any
 error, any warning or any kernel that spills registers. Also syntax-checks the CUDA bindings
-(cuda_ops.cpp) with the host compiler against torch's headers. Needs no GPU; `make test` runs it.
+(cuda_ops.cpp, cuda_trellis_ops.cpp) with the host compiler against torch's headers. Needs no GPU; `make test` runs it.
 Without nvcc it skips (exit 0), or fails with --require-nvcc. `--resources` prints the per-kernel
 table of registers, spills, shared memory and occupancy (bench/cuda_report.py writes the full
 report with bytes moved and the decode roofline, docs/benchmarks.md).
@@ -191,13 +191,16 @@ def _host_syntax_check(nvcc: str, tmp: str) -> bool:
         stub.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
         incs.append(str(Path(tmp) / "stub"))
     cxx = os.environ.get("CXX", "c++")
-    cmd = [cxx, "-fsyntax-only", *CXX_FLAGS, "-DTORCH_EXTENSION_NAME=exl_cuda", "-DTORCH_API_INCLUDE_EXTENSION_H",
-           *[f"-I{i}" for i in incs], str(CSRC / "cuda_ops.cpp")]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    print(f"  {'ok  ' if res.returncode == 0 else 'FAIL'} cuda_ops.cpp (host syntax)", flush=True)
-    if res.returncode:
-        print(res.stdout + res.stderr, file=sys.stderr)
-    return res.returncode == 0
+    ok = True
+    for src in ("cuda_ops.cpp", "cuda_trellis_ops.cpp"):
+        cmd = [cxx, "-fsyntax-only", *CXX_FLAGS, "-DTORCH_EXTENSION_NAME=exl_cuda", "-DTORCH_API_INCLUDE_EXTENSION_H",
+               *[f"-I{i}" for i in incs], str(CSRC / src)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        print(f"  {'ok  ' if res.returncode == 0 else 'FAIL'} {src} (host syntax)", flush=True)
+        if res.returncode:
+            print(res.stdout + res.stderr, file=sys.stderr)
+        ok &= res.returncode == 0
+    return ok
 
 
 def main(argv: list[str] | None = None) -> int:

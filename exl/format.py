@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # a folder of scalar-coded layers only
+TRELLIS_FORMAT_VERSION = 2  # a folder holding any trellis-coded layer (§7)
 BLOCK = 32  # codes per packed block
 QUANT_SUFFIXES = ("qweight", "qscale", "qmeta", "perm", "su", "sv")
 
@@ -262,8 +263,8 @@ class TrellisMeta:
 
     bits: int  # K: bits per weight, 1..8
     state_bits: int = 16  # L: bits of trellis state, max(8, K)..16
-    mul: int = 0x2C6FE96B  # A: odd multiplier of the code's LCG (stored as int32 bits)
-    add: int = 0x1B873593  # B: addend of the code's LCG
+    mul: int = 0xB9D2F219  # A: odd multiplier of the code's LCG (stored as int32 bits); chosen by measurement:
+    add: int = 0x29207D73  # B: addend of the code's LCG; docs/quantization.md, bench/trellis_mse.py --constants
     code: int = CODE_LCG_BYTESUM
     version: int = TRELLIS_VERSION
 

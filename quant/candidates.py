@@ -1,8 +1,10 @@
 """Quantization settings for one matrix, their segments (docs/format.md §1.1) and their exact bit cost.
 
 A `Setting` says how the K input channels (in act-order) are coded: `bits` bits in groups of
-`group` channels, except the first `hi_frac` of the channels, which get `hi_bits` bits. The
-optimizer chooses one setting per matrix from `candidates()`.
+`group` channels, except the first `hi_frac` of the channels, which get `hi_bits` bits. A
+`TrellisSetting` codes the whole matrix as trellis walks (docs/format.md §7) at `bits` bits per
+weight with `state_bits` of state. The optimizer chooses one setting per matrix from `candidates()`
+and `trellis_candidates()`; `parse_setting` reads either name.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from exl.format import BLOCK, Segment
+from exl.format import BLOCK, TILE, Segment, TrellisMeta
 
 
 @dataclass(frozen=True, order=True)
@@ -99,3 +101,53 @@ def candidates(k: int, mixes: bool = True) -> list[Setting]:
             seen.add(key)
             uniq.append(s)
     return uniq
+
+
+# ---------------------------------------------------------------------------------------------
+# Trellis-coded settings (docs/format.md §7)
+
+TRELLIS_PREFIX = "trellis"
+
+
+@dataclass(frozen=True, order=True)
+class TrellisSetting:
+    bits: int  # K_b: bits per weight, 1..8
+    state_bits: int = 12  # L
+
+    @property
+    def name(self) -> str:
+        return f"{TRELLIS_PREFIX}{self.bits}/L{self.state_bits}"
+
+    @classmethod
+    def parse(cls, name: str) -> "TrellisSetting":
+        """Inverse of `name`: 'trellis3/L12'."""
+        if not name.startswith(TRELLIS_PREFIX):
+            raise ValueError(f"not a trellis setting: {name!r}")
+        b, L = name[len(TRELLIS_PREFIX):].split("/L")
+        return cls(int(b), int(L))
+
+    def meta(self) -> TrellisMeta:
+        return TrellisMeta(self.bits, self.state_bits)
+
+    def fits(self, n: int, k: int) -> bool:
+        return n % TILE == 0 and k % TILE == 0
+
+
+def parse_setting(name: str) -> Setting | TrellisSetting:
+    """A scalar ('4b/g64') or trellis ('trellis3/L12') setting from its name."""
+    return TrellisSetting.parse(name) if name.startswith(TRELLIS_PREFIX) else Setting.parse(name)
+
+
+def trellis_storage_bits(n: int, k: int, bits: int) -> int:
+    """Bits stored for an [n, k] trellis layer: trellis + tscale + tmeta + su + sv (docs/format.md §7.6)."""
+    return bits * n * k + 16 * n + 32 * 6 + 8 * math.ceil(k / 8) + 8 * math.ceil(n / 8)
+
+
+TRELLIS_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
+
+
+def trellis_candidates(n: int, k: int, bits=TRELLIS_BITS, state_bits: int = 12) -> list[TrellisSetting]:
+    """The trellis settings measured for an [n, k] matrix (none unless n and k are multiples of 16)."""
+    if n % TILE or k % TILE:
+        return []
+    return [TrellisSetting(b, max(state_bits, b + 1, 8)) for b in bits]

@@ -31,7 +31,7 @@ from quant.workdir import WorkDir
 from quant.writer import atomic_copy, copy_tokenizer, stored_dtype, write_config, write_shards, write_text
 
 log = logging.getLogger("exl.quant")
-MEASUREMENT_VERSION = 1
+MEASUREMENT_VERSION = 2  # 2: trellis candidates may appear (each with its own "transform"); 1 is read as scalar-only
 MIN_TOKENS_PER_CHANNEL = 0.25  # refuse calibration with fewer tokens than this x the widest layer input
 WARN_TOKENS_PER_CHANNEL = 2.0
 
@@ -149,8 +149,8 @@ def load_measurement(path: str | Path) -> dict:
         m = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ConvertError(f"-m {p}: not valid JSON ({e})") from e
-    if m.get("version") != MEASUREMENT_VERSION or "layers" not in m:
-        raise ConvertError(f"-m {p}: not an exl measurement (version {MEASUREMENT_VERSION})")
+    if m.get("version") not in (1, MEASUREMENT_VERSION) or "layers" not in m:
+        raise ConvertError(f"-m {p}: not an exl measurement (version 1 or {MEASUREMENT_VERSION})")
     return m
 
 
@@ -161,8 +161,11 @@ def _check_measurement(m: dict, src: SourceModel, options: QuantOptions, path) -
             raise ConvertError(f"-m {path}: it was measured on another model ({r['name']} "
                                f"{'is missing' if name not in src.loader else 'has another shape'} in {src.path})")
     if m.get("options") != options.measurement_key():
+        hint = ""
+        if "codes" not in (m.get("options") or {}) and options.codes != "scalar":
+            hint = " It holds scalar settings only (made before trellis codes, or with --codes scalar): add --codes scalar."
         raise ConvertError(f"-m {path}: measured with other quantizer options ({m.get('options')}); "
-                           "measure again without -m")
+                           f"measure again without -m.{hint}")
 
 
 def convert(job: Job, resume: bool = False, progress: bool = True) -> dict:
@@ -274,7 +277,7 @@ def _write_output(job: Job, wd: WorkDir, src: SourceModel, measurement: dict, pl
     head_quant = head["head"] is not None
     if "model.embed_tokens.weight" in other:
         items.append(source_item("model.embed_tokens.weight"))
-    bits = 0
+    bits, trellis_layers = 0, 0
     for i in range(n):
         for name in layer_names[i]:
             if owner(name) in quantized and name.rsplit(".", 1)[1] in ("weight", "bias"):
@@ -286,8 +289,10 @@ def _write_output(job: Job, wd: WorkDir, src: SourceModel, measurement: dict, pl
             items.append((k, t.numel() * t.element_size(), (lambda t=t: t)))
         for name in quantized:
             if name.startswith(f"model.layers.{i}."):
-                tensors = {s: block[f"{name}.{s}"] for s in F.QUANT_SUFFIXES if f"{name}.{s}" in block}
+                tensors = {s: block[f"{name}.{s}"] for s in F.QUANT_SUFFIXES + F.TRELLIS_SUFFIXES
+                           if f"{name}.{s}" in block}
                 bits += F.storage_bits(tensors)
+                trellis_layers += F.is_trellis(tensors)
     for name in other:
         if name == "model.embed_tokens.weight" or (head_quant and name == "lm_head.weight"):
             continue
@@ -315,6 +320,9 @@ def _write_output(job: Job, wd: WorkDir, src: SourceModel, measurement: dict, pl
     predicted = {c: plan["choices"][c]["kl"] for c in plan["choices"]}
     for s in stats:
         s["predicted_kl"] = predicted.get(s["name"], 0.0)
+    if trellis_layers:
+        qc["version"] = F.TRELLIS_FORMAT_VERSION  # readers of version 1 must refuse trellis layers (§7.6)
+        qc["trellis_layers"] = trellis_layers
     return {"quantization_config": qc, "untie": head_quant,
             "input": str(src.path), "output": str(out), "files": files, "target_bpw": job.bits,
             "measured_bpw": measured_bpw, "head_bpw": head_bpw, "head": head["head"],

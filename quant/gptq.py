@@ -63,19 +63,37 @@ def inverse_cholesky(h: torch.Tensor, damp: float = 0.01, retries: int = 6) -> t
     raise HessianError(f"the Hessian is not positive definite even with damping {damp / 10:g}")
 
 
+_OUTER_THREADS: list[int] = []  # thread counts that one_thread() replaced, innermost last
+
+
 @contextlib.contextmanager
 def one_thread(device: torch.device):
     """Run many tiny CPU ops on one thread: thread hand-offs cost more than they save (and far more when
-    the machine is busy). No effect on GPU."""
+    the machine is busy). No effect on GPU. Large kernels inside take the threads back with all_threads()."""
     if device.type != "cpu":
         yield
         return
     n = torch.get_num_threads()
+    _OUTER_THREADS.append(n)
     torch.set_num_threads(1)
     try:
         yield
     finally:
+        _OUTER_THREADS.pop()
         torch.set_num_threads(n)
+
+
+@contextlib.contextmanager
+def all_threads():
+    """Inside one_thread(): the thread count it replaced, for one large parallel kernel (the trellis Viterbi)."""
+    n, cur = (_OUTER_THREADS[-1] if _OUTER_THREADS else torch.get_num_threads()), torch.get_num_threads()
+    if n != cur:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n != cur:
+            torch.set_num_threads(cur)
 
 
 def _grid(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,8 @@ import torch
 
 from exl import format as F
 from exl.format import hadamard_block
-from quant.candidates import Setting, candidates, storage_bits
+from quant import trellis as TR
+from quant.candidates import Setting, TrellisSetting, candidates, parse_setting, storage_bits, trellis_candidates, trellis_storage_bits
 from quant.hadamard import fwht
 from quant.gptq import ALPHAS, HessianError, gptq, inverse_cholesky, one_thread
 from quant.options import QuantOptions
@@ -30,6 +31,7 @@ from quant.transform import Transform, prepare
 log = logging.getLogger("exl.quant")
 
 REFERENCE = Setting(3, 64)  # the setting that decides each matrix's transform under transform=auto
+TRELLIS_TRANSFORM = Transform(True, True, False)  # trellis layers: both sides rotated, no act-order (§7.4)
 AUTO_TRANSFORMS = (Transform(True, False, True), Transform(True, True, True), Transform(False, False, True),
                    Transform(False, True, True))
 
@@ -79,6 +81,13 @@ def measure(name: str, w: torch.Tensor, h: torch.Tensor, tokens: int, fisher: to
 
 def _measure(name, w, h, tokens, fisher, options, seed) -> dict:
     n, k = w.shape
+    fixed = parse_setting(options.fixed) if options.fixed else None
+    trellis = []
+    if options.codes != "scalar" and not isinstance(fixed, Setting):
+        trellis = _measure_trellis(name, w, h, tokens, fisher, options, seed, fixed)
+    if trellis and (options.codes == "trellis" or fixed is not None):  # a matrix that can be trellis-coded
+        return {"name": name, "shape": [n, k], "transform": TRELLIS_TRANSFORM.name, "tokens": tokens,
+                "candidates": trellis}
     rows = _subset(n, options.measure_rows, w.device)
     best, factored = None, {}
     for t in transform_options(options):  # the transform with the lowest error at the reference setting
@@ -96,7 +105,7 @@ def _measure(name, w, h, tokens, fisher, options, seed) -> dict:
         if best is None or err < best[0]:
             best = (err, t, p, u, damp, fw)
     _, t, p, u, damp, fw = best
-    settings = [Setting.parse(options.fixed)] if options.fixed else candidates(k, options.mixes)
+    settings = [fixed] if isinstance(fixed, Setting) else candidates(k, options.mixes)
     results = gptq(p.w[rows], u, [s.segments(k) for s in settings], alphas(options), want_codes=False)
     wf, frows = fw[rows], fw.sum() / fw[rows].sum().clamp_min(1e-30)
     wr = p.w[rows].to(p.h.dtype)
@@ -106,7 +115,40 @@ def _measure(name, w, h, tokens, fisher, options, seed) -> dict:
         kl = 0.5 * float((r.row_err * wf).sum() * frows) / max(tokens, 1)
         out.append({"setting": s.name, "bits": storage_bits(n, k, s.segments(k), t.perm, t.su, t.sv),
                     "kl": kl, "rel": float(r.row_err.sum() / base.sum().clamp_min(1e-30))})
-    return {"name": name, "shape": [n, k], "transform": t.name, "damp": damp, "tokens": tokens, "candidates": out}
+    return {"name": name, "shape": [n, k], "transform": t.name, "damp": damp, "tokens": tokens,
+            "candidates": out + trellis}
+
+
+def _tile_rows(n: int, rows: int, device) -> torch.Tensor:
+    """Rows of evenly spaced whole 16-row tiles, about `rows` of them (the same on every run)."""
+    tiles = _subset(n // F.TILE, max(1, rows // F.TILE), device)
+    return (tiles[:, None] * F.TILE + torch.arange(F.TILE, device=device)).flatten()
+
+
+def _measure_trellis(name, w, h, tokens, fisher, options, seed, fixed=None) -> list[dict]:
+    """Trellis candidates (each with its transform su+sv), priced like the scalar ones: block LDLQ on whole
+    tiles of evenly spaced rows, all settings in one batched run, errors scaled to all rows."""
+    n, k = w.shape
+    settings = trellis_candidates(n, k, options.trellis_widths, options.state_bits)
+    if fixed is not None:
+        settings = [fixed] if trellis_candidates(n, k) else []
+    if not settings:
+        return []
+    t = TRELLIS_TRANSFORM
+    p = prepare(w, h, t, seed, name)
+    u, _ = factor(p.h, options)
+    rows = _tile_rows(n, options.measure_rows, w.device)
+    results = TR.ldlq(p.w[rows], u, [s.meta() for s in settings])
+    fw = row_weights(fisher, t)
+    wf, frows = fw[rows], fw.sum() / fw[rows].sum().clamp_min(1e-30)
+    wr = p.w[rows].to(p.h.dtype)
+    base = ((wr @ p.h) * wr).sum(1).double()
+    out = []
+    for s, r in zip(settings, results):
+        kl = 0.5 * float((r.row_err.to(wf.device) * wf).sum() * frows) / max(tokens, 1)
+        out.append({"setting": s.name, "bits": trellis_storage_bits(n, k, s.bits), "kl": kl,
+                    "rel": float(r.row_err.sum() / base.sum().clamp_min(1e-30)), "transform": t.name})
+    return out
 
 
 @dataclass
@@ -119,22 +161,32 @@ class Quantized:
 
 
 @torch.no_grad()
-def quantize(name: str, w: torch.Tensor, h: torch.Tensor, setting: Setting, transform: Transform,
+def quantize(name: str, w: torch.Tensor, h: torch.Tensor, setting: Setting | TrellisSetting, transform: Transform,
              options: QuantOptions, seed: int, bias: torch.Tensor | None = None,
              fisher: torch.Tensor | None = None, tokens: int = 1) -> Quantized:
-    """Quantize W [N, K] under one setting: the format's tensors and the matrix they stand for."""
+    """Quantize W [N, K] under one setting: the format's tensors and the matrix they stand for. A trellis
+    setting always uses its own transform (su+sv, §7.4), whatever `transform` says."""
     with one_thread(w.device):
         return _quantize(name, w, h, setting, transform, options, seed, bias, fisher, tokens)
 
 
 def _quantize(name, w, h, setting, transform, options, seed, bias, fisher, tokens) -> Quantized:
     n, k = w.shape
-    p = prepare(w, h, transform, seed, name)
-    u, _ = factor(p.h, options)
-    segments = setting.segments(k)
-    r = gptq(p.w, u, [segments], alphas(options))[0]
-    t = layer_tensors(p, r, segments, bias)
-    wq = unrotate(p, F.dequantize_codes(r.codes, r.scales, segments, torch.float32).to(w.device))
+    if isinstance(setting, TrellisSetting):
+        p = prepare(w, h, TRELLIS_TRANSFORM, seed, name)
+        u, _ = factor(p.h, options)
+        r = TR.ldlq(p.w, u, [setting.meta()])[0]
+        t = trellis_tensors(p, r, setting, bias)
+        wq = unrotate(p, r.q.to(w.device))
+        bits = trellis_storage_bits(n, k, setting.bits)
+    else:
+        p = prepare(w, h, transform, seed, name)
+        u, _ = factor(p.h, options)
+        segments = setting.segments(k)
+        r = gptq(p.w, u, [segments], alphas(options))[0]
+        t = layer_tensors(p, r, segments, bias)
+        wq = unrotate(p, F.dequantize_codes(r.codes, r.scales, segments, torch.float32).to(w.device))
+        bits = storage_bits(n, k, segments, transform.perm, transform.su, transform.sv)
     w32, h32 = w.float(), h.to(w.device, torch.float32)
     both = torch.cat([wq - w32, w32])
     energy = ((both @ h32) * both).sum(1).double()  # rows of ΔW H ΔWᵀ, then of W H Wᵀ
@@ -142,8 +194,16 @@ def _quantize(name, w, h, setting, transform, options, seed, bias, fisher, token
     kl = 0.0
     if fisher is not None:
         kl = 0.5 * float((err * fisher.double().to(err.device)).sum()) / max(tokens, 1)
-    bits = storage_bits(n, k, segments, transform.perm, transform.su, transform.sv)
     return Quantized(t, wq, float(err.sum() / base.sum().clamp_min(1e-30)), kl, bits)
+
+
+def trellis_tensors(p, r: TR.Result, setting: TrellisSetting, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """trellis/tscale/tmeta/su/sv (+ bias) of a trellis-coded layer (docs/format.md §7.1), on the CPU."""
+    t = {"trellis": r.words.cpu().contiguous(), "tscale": r.scales.cpu().to(torch.float16).contiguous(),
+         "tmeta": setting.meta().to_tensor(), "su": F.pack_signs(p.su.cpu()), "sv": F.pack_signs(p.sv.cpu())}
+    if bias is not None:
+        t["bias"] = bias.detach().cpu().to(torch.float16)
+    return t
 
 
 def unrotate(p, q: torch.Tensor) -> torch.Tensor:

@@ -103,7 +103,7 @@ def optimize(layers: list[dict], target_bpw: float, cells: int = 40000) -> dict:
             choice[i] = c
             b -= int(round((options[i][c]["bits"] - options[i][0]["bits"]) / unit))
     choice = _repair(choice, options, budget)
-    chosen = {r["name"]: {"setting": options[i][c]["setting"], "transform": r["transform"],
+    chosen = {r["name"]: {"setting": options[i][c]["setting"], "transform": options[i][c].get("transform", r["transform"]),
                           "bits": options[i][c]["bits"], "kl": options[i][c]["kl"]}
               for i, (r, c) in enumerate(zip(layers, choice))}
     bits = sum(v["bits"] for v in chosen.values())
@@ -118,7 +118,8 @@ def fixed_plan(layers: list[dict], setting: str) -> dict:
         c = next((c for c in r["candidates"] if c["setting"] == setting), None)
         if c is None:
             raise TargetError(f"setting {setting} was not measured for {r['name']}")
-        chosen[r["name"]] = {"setting": setting, "transform": r["transform"], "bits": c["bits"], "kl": c["kl"]}
+        chosen[r["name"]] = {"setting": setting, "transform": c.get("transform", r["transform"]), "bits": c["bits"],
+                             "kl": c["kl"]}
     weights = sum(r["shape"][0] * r["shape"][1] for r in layers)
     bits = sum(v["bits"] for v in chosen.values())
     return {"target": bits / weights, "bpw": bits / weights, "bits": bits, "weights": weights,

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from quant.candidates import Setting
+from quant.candidates import TRELLIS_BITS, parse_setting
 
 TRANSFORMS = ("auto", "none", "perm", "su+perm", "su+sv+perm", "su", "su+sv")
+CODES = ("auto", "scalar", "trellis")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class QuantOptions:
     measure_rows: int = 256  # rows per matrix used to price candidates (errors are scaled to all rows)
     fisher_rows: int = 4  # calibration rows used for the Fisher pass and the final check
     head_group: int = 64
+    codes: str = "auto"  # auto: per matrix, scalar or trellis codes (docs/format.md §7); scalar | trellis only
+    trellis_bits: tuple[int, ...] | None = None  # trellis widths measured; None: 1-6 with codes=auto, 1-8 with trellis
+    state_bits: int = 12  # trellis state bits L (at least bits + 1)
 
     def __post_init__(self):
         if self.method not in ("gptq", "rtn"):
@@ -31,11 +35,30 @@ class QuantOptions:
             raise ValueError(f"transform must be one of {TRANSFORMS}, not {self.transform!r}")
         if self.sensitivity not in ("fisher", "mse"):
             raise ValueError(f"sensitivity must be fisher or mse, not {self.sensitivity!r}")
+        if self.codes not in CODES:
+            raise ValueError(f"codes must be one of {CODES}, not {self.codes!r}")
+        if not 8 <= self.state_bits <= 16:
+            raise ValueError(f"trellis state bits must be in 8..16, not {self.state_bits}")
+        if self.trellis_bits is not None:
+            if not self.trellis_bits or not all(1 <= b <= 8 for b in self.trellis_bits):
+                raise ValueError(f"trellis bits must be in 1..8, not {self.trellis_bits}")
+            object.__setattr__(self, "trellis_bits", tuple(int(b) for b in self.trellis_bits))
         if self.fixed is not None:
-            Setting.parse(self.fixed)
+            parse_setting(self.fixed)
+
+    @property
+    def trellis_widths(self) -> tuple[int, ...]:
+        """The trellis bits per weight to measure. With codes=auto, 7 and 8 are left to the scalar codes
+        (at those widths trellis gains little and measuring them costs a third more time)."""
+        if self.trellis_bits is not None:
+            return self.trellis_bits
+        return TRELLIS_BITS if self.codes == "trellis" else TRELLIS_BITS[:6]
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.trellis_bits is not None:
+            d["trellis_bits"] = list(self.trellis_bits)  # as JSON stores it (resume compares the two)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuantOptions":
@@ -43,6 +66,10 @@ class QuantOptions:
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def measurement_key(self) -> dict:
-        """The options a saved measurement depends on (reusing it with others would be wrong)."""
-        return {k: getattr(self, k) for k in ("method", "transform", "scale_search", "sensitivity", "mixes", "damp",
-                                              "measure_rows", "fisher_rows")}
+        """The options a saved measurement depends on (reusing it with others would be wrong). Scalar-only
+        measurements have the keys of measurements made before trellis codes existed."""
+        key = {k: getattr(self, k) for k in ("method", "transform", "scale_search", "sensitivity", "mixes", "damp",
+                                             "measure_rows", "fisher_rows")}
+        if self.codes != "scalar":
+            key.update(codes=self.codes, trellis_bits=list(self.trellis_widths), state_bits=self.state_bits)
+        return key

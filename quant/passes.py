@@ -21,7 +21,7 @@ from tqdm import tqdm
 from exl.cache.base import NoCache
 from exl.errors import ExlError
 from quant import layer as L
-from quant.candidates import Setting
+from quant.candidates import Setting, parse_setting
 from quant.capture import HessianCache, hessian, taps
 from quant.model_parts import SourceModel
 from quant.options import QuantOptions
@@ -234,7 +234,7 @@ def quantize_pass(src: SourceModel, wd: WorkDir, ids: torch.Tensor, eval_rows: i
             hm, tokens = cache(x, r.name) if options.sequential else orig_h[r.name]
             choice = plan[r.name]
             f = fisher.get(r.name) if fisher is not None else None
-            q = L.quantize(r.name, r.module.weight, hm.to(dev), Setting.parse(choice["setting"]),
+            q = L.quantize(r.name, r.module.weight, hm.to(dev), parse_setting(choice["setting"]),
                            Transform.parse(choice["transform"]), options, seed, r.module.bias,
                            None if f is None else f.to(dev), tokens)
             for k, v in q.tensors.items():
@@ -251,7 +251,7 @@ def quantize_pass(src: SourceModel, wd: WorkDir, ids: torch.Tensor, eval_rows: i
             k = r.shape[1]
             eye = torch.eye(k, dtype=torch.float64, device=dev)
             choice = plan[r.name]
-            q = L.quantize(r.name, r.module.weight, eye, Setting.parse(choice["setting"]),
+            q = L.quantize(r.name, r.module.weight, eye, parse_setting(choice["setting"]),
                            Transform.parse(choice["transform"]), options, seed, r.module.bias)
             tensors.update({f"{r.name}.{k2}": v for k2, v in q.tensors.items()})
             stats.append({"name": r.name, "setting": choice["setting"], "transform": choice["transform"],

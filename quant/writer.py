@@ -88,7 +88,7 @@ def write_config(src_dir: Path, out: Path, quantization: dict, untie: bool) -> N
         if isinstance(config.get("text_config"), dict):
             config["text_config"]["tie_word_embeddings"] = False
     config["torch_dtype"] = "float16"
-    config["quantization_config"] = {"quant_method": "exl", "version": FORMAT_VERSION, **quantization}
+    config["quantization_config"] = {"quant_method": "exl", "version": FORMAT_VERSION, **quantization}  # 2 with trellis layers
     _atomic_text(out / "config.json", json.dumps(config, indent=2) + "\n")
 
 

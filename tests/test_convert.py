@@ -56,7 +56,7 @@ def make_tiny(folder: Path, seed: int = 0, **overrides) -> Path:
     return folder
 
 
-FAST = QuantOptions(measure_rows=32, fisher_rows=2)
+FAST = QuantOptions(measure_rows=32, fisher_rows=2, codes="scalar")  # the trellis tests say codes= themselves
 
 
 def tiny_job(src, out, bits=4.0, **kw):
@@ -86,7 +86,7 @@ def quant_layer_bits(folder: Path) -> tuple[int, int, int]:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 prefix, suffix = name.rsplit(".", 1)
-                if suffix not in F.QUANT_SUFFIXES:
+                if suffix not in F.QUANT_SUFFIXES + F.TRELLIS_SUFFIXES:
                     continue
                 sl = st.get_slice(name)
                 b = 8 * math.prod(sl.get_shape()) * sizes[sl.get_dtype()]
@@ -99,6 +99,9 @@ def quant_layer_bits(folder: Path) -> tuple[int, int, int]:
                     k = int(meta[:, 0].sum())
                     n = st.get_slice(prefix + ".qweight").get_shape()[0]
                     weights += n * k
+                if suffix == "trellis" and prefix != "lm_head":
+                    nt, kt, _ = st.get_slice(name).get_shape()
+                    weights += nt * kt * F.TILE_WEIGHTS
     return bits, weights, head
 
 
@@ -142,6 +145,87 @@ def test_output_folder_loads_and_accounts_bits(tiny, converted):
             r = gptq(lin.weight.data, torch.eye(lin.weight.shape[1]), [segs], alphas=(1.0,))[0]
             lin.weight.data.copy_(F.dequantize_codes(r.codes, r.scales, segs))
     assert 0 < kl(model) < kl(ref)  # (and ours also carries a 6-bit head)
+
+
+def _kl_on_fresh_text(tiny, model, ref):
+    from calibration import calibration_rows
+    from exl.tokenizer import Tokenizer
+
+    ids = calibration_rows(None, Tokenizer.from_dir(tiny), 4, 64, seed=99)[0]
+    lr = torch.log_softmax(ref(ids), -1)
+    lq = torch.log_softmax(model(ids), -1)
+    return float((lr.exp() * (lr - lq)).sum(-1).mean())
+
+
+@pytest.fixture(scope="module")
+def trellis_converted(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("conv") / "t3"
+    options = QuantOptions(measure_rows=32, fisher_rows=2, codes="trellis", trellis_bits=(2, 3, 4))
+    return out, convert(tiny_job(tiny, out, bits=3.0, rows=16, length=64, options=options), progress=False)
+
+
+def test_trellis_conversion_loads_accounts_bits_and_beats_scalar(tiny, trellis_converted, tmp_path):
+    out, report = trellis_converted
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["version"] == F.TRELLIS_FORMAT_VERSION == 2 and qc["trellis_layers"] == 14
+    bits, weights, _ = quant_layer_bits(out)
+    assert weights == 2 * (64 * 64 * 2 + 32 * 64 * 2 + 96 * 64 * 3)
+    assert bits / weights == pytest.approx(qc["measured_bpw"], abs=1e-4)
+    assert 2.9 <= qc["measured_bpw"] <= 3.0  # 14 matrices, whole bits each: a coarse knapsack
+    assert all(s["setting"].startswith("trellis") and s["transform"] == "su+sv" for s in report["layers"])
+    from exl.loader import TensorLoader
+
+    loader = TensorLoader(out)
+    prefix = "model.layers.1.mlp.down_proj"
+    t = {s: loader.get(f"{prefix}.{s}") for s in F.TRELLIS_SUFFIXES}
+    assert F.is_trellis(t) and F.bits_per_weight(t) == pytest.approx(
+        next(s["bpw"] for s in report["layers"] if s["name"] == prefix))
+    model = exl.load_model(out, progress=False)
+    ref = exl.load_model(tiny, progress=False)
+    lin = model.layers[1].mlp.down
+    assert type(lin).__name__ == "TrellisLinear"
+    x = torch.randn(3, 96)
+    want = F.reference_forward(x, t)
+    assert (lin(x) - want).abs().max() < 0.02 * want.abs().max()  # int8 activations (the default): ~0.5% RMS
+    lin.exact = True  # fp32 activations: the reference's numbers
+    torch.testing.assert_close(lin(x), want, rtol=1e-4, atol=1e-4)
+    lin.exact = False
+    scalar = convert(tiny_job(tiny, tmp_path / "s3", bits=3.0, rows=16, length=64), progress=False)
+    kl_t = _kl_on_fresh_text(tiny, model, ref)
+    kl_s = _kl_on_fresh_text(tiny, exl.load_model(tmp_path / "s3", progress=False), ref)
+    assert 0 < kl_t < kl_s
+    assert report["predicted_kl"] < scalar["predicted_kl"]
+
+
+def test_auto_codes_choose_the_better_kind_per_matrix(tiny, tmp_path):
+    from quant.optimize import optimize
+
+    options = QuantOptions(measure_rows=32, fisher_rows=2, trellis_bits=(2, 3, 4, 5))
+    report = convert(tiny_job(tiny, tmp_path / "a", bits=3.5, options=options), progress=False)
+    layers = json.loads((tmp_path / "a" / "measurement.json").read_text())["layers"]
+    kinds = {c["setting"].startswith("trellis") for r in layers for c in r["candidates"]}
+    assert kinds == {True, False}
+
+    def only(trellis):
+        return [{**r, "candidates": [c for c in r["candidates"] if c["setting"].startswith("trellis") == trellis]}
+                for r in layers]
+
+    both = optimize(layers, 3.5)["predicted_kl"]
+    assert report["predicted_kl"] == pytest.approx(both)
+    assert both <= optimize(only(True), 3.5)["predicted_kl"] + 1e-12
+    assert both <= optimize(only(False), 3.5)["predicted_kl"] + 1e-12
+    # a scalar-only measurement (as made before trellis codes) is refused with a hint
+    with pytest.raises(ConvertError, match="--codes scalar"):
+        convert(tiny_job(tiny, tmp_path / "b", options=options, measurement=str(_scalar_measurement(tmp_path))),
+                progress=False)
+
+
+def _scalar_measurement(tmp_path):
+    """A measurement.json as exl wrote it before trellis codes (version 1, scalar options key)."""
+    m = {"version": 1, "options": FAST.measurement_key(), "layers": []}
+    p = tmp_path / "old.json"
+    p.write_text(json.dumps(m))
+    return p
 
 
 def test_hessians_match_each_layers_own_input(tiny):
@@ -284,6 +368,8 @@ def test_resume_after_kills_gives_identical_output(tiny, tmp_path):
     for f in out.iterdir():  # every file, the safetensors shard too, as readable as the umask allows
         if f.is_file():
             assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc.get("trellis_layers", 0) > 0 and qc["version"] == 2  # the default (auto) codes chose some trellis
 
 
 def test_bad_inputs(tiny, tmp_path):
@@ -351,7 +437,7 @@ def test_real_model_end_to_end(smollm_dir, tmp_path):
     """SmolLM2-135M with little calibration: the whole pipeline on the real architecture and sizes."""
     out = tmp_path / "smol"
     job = Job(input=str(smollm_dir), output=str(out), bits=4.0, rows=2, length=256,
-              options=QuantOptions(measure_rows=32, fisher_rows=1, transform="su+perm"))
+              options=QuantOptions(measure_rows=32, fisher_rows=1, transform="su+perm", codes="scalar"))
     report = convert(job, progress=False)
     assert abs(report["measured_bpw"] - 4.0) <= 0.02
     bits, weights, _ = quant_layer_bits(out)
@@ -408,6 +494,8 @@ def test_smollm2_resume_after_kills_is_identical(smollm_dir, tmp_path):
     assert run_cli(full + ["-r"], kill_before="out/model.safetensors") == -signal.SIGKILL
     run_cli(full + ["-r"])
     assert output_bytes(out) == output_bytes(tmp_path / "ref")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc.get("trellis_layers", 0) > 0 and qc["version"] == 2  # the default (auto) codes chose some trellis
 
 
 def test_loaded_model_holds_only_the_stored_bytes(converted):

@@ -10,7 +10,7 @@ import torch
 
 from exl import format as F
 from exl.modules.quant_linear import QuantLinear
-from quant.candidates import Setting, candidates, storage_bits
+from quant.candidates import Setting, TrellisSetting, candidates, storage_bits, trellis_candidates, trellis_storage_bits
 from quant.capture import hessian
 from quant.gptq import HessianError, gptq, inverse_cholesky, search_scales
 from quant.layer import measure, quantize
@@ -186,7 +186,7 @@ def test_measure_prices_every_candidate():
     f = torch.rand(96) + 0.5
     rec = measure("layer", w, h, 2048, f, QuantOptions(measure_rows=48), seed=0)
     by = {c["setting"]: c for c in rec["candidates"]}
-    assert len(by) == len(candidates(256))
+    assert len(by) == len(candidates(256)) + len(trellis_candidates(96, 256, QuantOptions().trellis_widths))
     # more bits, less error; kl is the Fisher-weighted error
     assert by["2b/g128"]["kl"] > by["3b/g128"]["kl"] > by["4b/g128"]["kl"] > by["6b/g128"]["kl"] > by["8b/g128"]["kl"]
     assert by["4b/g32"]["rel"] < by["4b/g128"]["rel"]
@@ -195,6 +195,30 @@ def test_measure_prices_every_candidate():
     q = quantize("layer", w, h, Setting(4, 64), t, QuantOptions(), seed=0, fisher=f, tokens=2048)
     assert abs(q.kl / by["4b/g64"]["kl"] - 1) < 0.25
     assert by["4b/g64"]["bits"] == q.bits
+
+
+def test_measure_prices_trellis_candidates_and_the_prediction_holds():
+    w, h, _ = problem()
+    f = torch.rand(96) + 0.5
+    rec = measure("layer", w, h, 2048, f, QuantOptions(measure_rows=48, trellis_bits=(2, 3, 4)), seed=0)
+    by = {c["setting"]: c for c in rec["candidates"]}
+    assert by["trellis2/L12"]["kl"] > by["trellis3/L12"]["kl"] > by["trellis4/L12"]["kl"]
+    assert all(by[f"trellis{b}/L12"]["transform"] == "su+sv" for b in (2, 3, 4))
+    for b in (2, 3, 4):  # fewer bits and less error than scalar codes of the same width in groups of 128
+        assert by[f"trellis{b}/L12"]["bits"] < by[f"{b}b/g128"]["bits"]
+        assert by[f"trellis{b}/L12"]["kl"] < by[f"{b}b/g128"]["kl"]
+    s = TrellisSetting(3, 12)
+    q = quantize("layer", w, h, s, Transform(), QuantOptions(), seed=0, fisher=f, tokens=2048)
+    assert abs(q.kl / by[s.name]["kl"] - 1) < 0.25
+    assert q.bits == by[s.name]["bits"] == F.storage_bits(q.tensors) == trellis_storage_bits(96, 256, 3)
+    # the stored tensors are a §7 layer that stands for the matrix the quantizer returned
+    torch.testing.assert_close(F.dequantize(q.tensors), q.weight, rtol=1e-4, atol=1e-5)
+    x = torch.randn(5, 256)
+    torch.testing.assert_close(F.reference_forward(x, q.tensors), x @ q.weight.T, rtol=1e-3, atol=1e-4)
+    only = measure("layer", w, h, 2048, f, QuantOptions(measure_rows=48, codes="trellis", trellis_bits=(2, 3)), seed=0)
+    assert [c["setting"] for c in only["candidates"]] == ["trellis2/L12", "trellis3/L12"]
+    scalar = measure("layer", w, h, 2048, f, QuantOptions(measure_rows=48, codes="scalar"), seed=0)
+    assert not any(c["setting"].startswith("trellis") for c in scalar["candidates"])
 
 
 # ------------------------------------------------------------------------------------------------ optimizer

@@ -10,6 +10,9 @@
 //                                            the first cos.size(-1) channels of q and k, in place
 //   decode_attention(q, k, v, kc, vc, ...)   store k, v at `pos` of a contiguous cache, then one
 //                                            query per sequence attends over the kept keys (GQA)
+//   paged_step_attention(q, k, v, ks, vs, pages, lengths, ...)
+//                                            one decode token of each of B sequences: store k, v in
+//                                            its page, attend over its pages in place (GQA)
 //   act_mul(gate, up, act)                   act(gate) * up, written over gate
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -229,14 +232,14 @@ EXL_INLINE void act_mul_span(const float* g, const float* u, float* out, int64_t
 // One kv head group of decode attention: g queries (row stride qs) against n keys/values (row
 // stride ld), scores in s [g, n]; out [g, d] (row stride os). D > 0 fixes the head dim at compile
 // time (fully unrolled inner loops, accumulators in registers); D = 0 reads it from d.
-template <int D>
-EXL_INLINE void attend_group(const float* q, int64_t g, const float* keys, const float* values, int64_t n,
-                             int64_t ld, int64_t d_, float scale, float softcap, float* s, float* out, int64_t qs,
-                             int64_t os) {
+// Where key j lies: `at(j)` is its row offset from `keys` / `values` (contiguous rows or a page table).
+template <int D, typename At>
+EXL_INLINE void attend_rows(const float* q, int64_t g, const float* keys, const float* values, int64_t n, At at,
+                            int64_t d_, float scale, float softcap, float* s, float* out, int64_t qs, int64_t os) {
   const int64_t d = D > 0 ? D : d_;
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {  // four keys at a time: four independent FMA chains per query
-    const float *k0 = keys + j * ld, *k1 = k0 + ld, *k2 = k1 + ld, *k3 = k2 + ld;
+    const float *k0 = keys + at(j), *k1 = keys + at(j + 1), *k2 = keys + at(j + 2), *k3 = keys + at(j + 3);
     for (int64_t h = 0; h < g; ++h) {
       const float* qh = q + h * qs;
       float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
@@ -252,7 +255,7 @@ EXL_INLINE void attend_group(const float* q, int64_t g, const float* keys, const
     }
   }
   for (; j < n; ++j) {
-    const float* kj = keys + j * ld;
+    const float* kj = keys + at(j);
     for (int64_t h = 0; h < g; ++h) {
       const float* qh = q + h * qs;
       float acc = 0.f;
@@ -280,7 +283,7 @@ EXL_INLINE void attend_group(const float* q, int64_t g, const float* keys, const
       float acc[D] = {};
       for (int64_t j = 0; j < n; ++j) {
         const float p = sh[j] * inv;
-        const float* vj = values + j * ld;
+        const float* vj = values + at(j);
 #pragma omp simd
         for (int64_t i = 0; i < D; ++i) acc[i] += p * vj[i];
       }
@@ -291,7 +294,7 @@ EXL_INLINE void attend_group(const float* q, int64_t g, const float* keys, const
       for (int64_t i = 0; i < d; ++i) oh[i] = 0.f;
       for (int64_t j = 0; j < n; ++j) {
         const float p = sh[j] * inv;
-        const float* vj = values + j * ld;
+        const float* vj = values + at(j);
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) oh[i] += p * vj[i];
       }
@@ -299,13 +302,32 @@ EXL_INLINE void attend_group(const float* q, int64_t g, const float* keys, const
   }
 }
 
+// Contiguous key rows, stride ld.
+template <int D>
+EXL_INLINE void attend_group(const float* q, int64_t g, const float* keys, const float* values, int64_t n,
+                             int64_t ld, int64_t d, float scale, float softcap, float* s, float* out, int64_t qs,
+                             int64_t os) {
+  attend_rows<D>(q, g, keys, values, n, [ld](int64_t j) { return j * ld; }, d, scale, softcap, s, out, qs, os);
+}
+
+// Key j at row offset offs[j] (a paged store: each kept position's slot times the head dim).
+template <int D>
+EXL_INLINE void attend_offsets(const float* q, int64_t g, const float* keys, const float* values, int64_t n,
+                               const int64_t* offs, int64_t d, float scale, float softcap, float* s, float* out,
+                               int64_t qs, int64_t os) {
+  attend_rows<D>(q, g, keys, values, n, [offs](int64_t j) { return offs[j]; }, d, scale, softcap, s, out, qs, os);
+}
+
 using AttendFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t, float, float,
                           float*, float*, int64_t, int64_t);
+using AttendOffsetsFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, const int64_t*, int64_t,
+                                 float, float, float*, float*, int64_t, int64_t);
 using ActMulFn = void (*)(const float*, const float*, float*, int64_t);
 
 struct Kernels {
   const char* name;
   AttendFn attend;
+  AttendOffsetsFn attend_offsets;
   ActMulFn silu_mul, gelu_tanh_mul, gelu_mul, relu_mul;
 };
 
@@ -319,13 +341,23 @@ struct Kernels {
     else                                                                                                        \
       attend_group<0>(q, g, k, v, n, ld, d, scale, softcap, s, out, qs, os);                                    \
   }                                                                                                             \
+  ATTR void attend_offsets_##NAME(const float* q, int64_t g, const float* k, const float* v, int64_t n,        \
+                                  const int64_t* offs, int64_t d, float scale, float softcap, float* s,         \
+                                  float* out, int64_t qs, int64_t os) {                                         \
+    if (d == 64)                                                                                                \
+      attend_offsets<64>(q, g, k, v, n, offs, d, scale, softcap, s, out, qs, os);                               \
+    else if (d == 128)                                                                                          \
+      attend_offsets<128>(q, g, k, v, n, offs, d, scale, softcap, s, out, qs, os);                              \
+    else                                                                                                        \
+      attend_offsets<0>(q, g, k, v, n, offs, d, scale, softcap, s, out, qs, os);                                \
+  }                                                                                                             \
   ATTR void silu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<Silu>(g, u, o, n); } \
   ATTR void gelu_tanh_mul_##NAME(const float* g, const float* u, float* o, int64_t n) {                         \
     act_mul_span<GeluTanh>(g, u, o, n);                                                                         \
   }                                                                                                             \
   ATTR void gelu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<GeluErf>(g, u, o, n); } \
   ATTR void relu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<Relu>(g, u, o, n); } \
-  const Kernels k##NAME = {#NAME, attend_##NAME, silu_mul_##NAME, gelu_tanh_mul_##NAME, gelu_mul_##NAME, relu_mul_##NAME};
+  const Kernels k##NAME = {#NAME, attend_##NAME, attend_offsets_##NAME, silu_mul_##NAME, gelu_tanh_mul_##NAME, gelu_mul_##NAME, relu_mul_##NAME};
 
 KERNEL_TABLE(scalar, )
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -486,6 +518,95 @@ void paged_decode_attention(const at::Tensor& q, at::Tensor& out, const at::Tens
   });
 }
 
+// One decode step of B sequences over a paged float32 store, in place: k, v [B, Hk, D] of each
+// sequence's new token are written at position lengths[b] - 1 (its slot from its row of the page table
+// pages [B, P]: position p lies at slot pages[b, p / page_size] * page_size + p % page_size of the
+// [Hk, slots, D] stores), then q [B, Hq, D] attends over positions [lengths[b] - window, lengths[b])
+// (all of them when window <= 0), reading keys and values where they lie. Returns out [B, Hq, D].
+at::Tensor paged_step_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_store,
+                                at::Tensor& v_store, const at::Tensor& pages, const at::Tensor& lengths,
+                                int64_t page_size, double scale, int64_t window, double softcap) {
+  const char* op = "paged_step_attention";
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&q, "q"}, {&k, "k"}, {&v, "v"},
+                                {&k_store, "k_store"}, {&v_store, "v_store"}}) {
+    check_f32_cpu(*t, op, name);
+    TORCH_CHECK(t->dim() == 3 && t->is_contiguous(), "exl paged_step_attention: ", name,
+                " must be contiguous and 3-d, got ", t->sizes());
+  }
+  const int64_t b = q.size(0), hq = q.size(1), d = q.size(2), hk = k_store.size(0), n_slots = k_store.size(1);
+  TORCH_CHECK(v_store.sizes() == k_store.sizes() && k_store.size(2) == d && hk > 0 && hq % hk == 0,
+              "exl paged_step_attention: stores ", k_store.sizes(), " / ", v_store.sizes(), " do not fit q ",
+              q.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == b && k.size(1) == hk && k.size(2) == d,
+              "exl paged_step_attention: k and v must be [", b, ", ", hk, ", ", d, "], got ", k.sizes(), " and ",
+              v.sizes());
+  TORCH_CHECK(pages.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && pages.is_contiguous() &&
+                  lengths.is_contiguous() && pages.dim() == 2 && pages.size(0) == b && lengths.numel() == b,
+              "exl paged_step_attention: pages must be contiguous int64 [", b, ", pages] and lengths int64 [", b,
+              "], got ", pages.sizes(), " and ", lengths.sizes());
+  TORCH_CHECK(page_size > 0 && n_slots % page_size == 0, "exl paged_step_attention: page_size ", page_size,
+              " must divide the store's ", n_slots, " slots");
+  const int64_t P = pages.size(1), n_pages = n_slots / page_size;
+  const int64_t* pp = pages.data_ptr<int64_t>();
+  const int64_t* pl = lengths.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    TORCH_CHECK(pl[i] >= 1 && pl[i] <= P * page_size, "exl paged_step_attention: sequence ", i, " has length ", pl[i],
+                ", its page table holds [1, ", P * page_size, "]");
+    for (int64_t j = 0; j < (pl[i] + page_size - 1) / page_size; ++j)
+      TORCH_CHECK(pp[i * P + j] >= 0 && pp[i * P + j] < n_pages, "exl paged_step_attention: sequence ", i, " page ",
+                  j, " is ", pp[i * P + j], ", out of range [0, ", n_pages, ")");
+    total += pl[i];
+  }
+  const Kernels* kern = kernels("auto", op);
+  float* kd = k_store.data_ptr<float>();
+  float* vd = v_store.data_ptr<float>();
+  const float* pk = k.data_ptr<float>();
+  const float* pv = v.data_ptr<float>();
+  for (int64_t i = 0; i < b; ++i) {  // store the new keys and values first (a sequence attends to its own)
+    const int64_t p = pl[i] - 1, slot = pp[i * P + p / page_size] * page_size + p % page_size;
+    for (int64_t h = 0; h < hk; ++h) {
+      std::copy(pk + (i * hk + h) * d, pk + (i * hk + h + 1) * d, kd + (h * n_slots + slot) * d);
+      std::copy(pv + (i * hk + h) * d, pv + (i * hk + h + 1) * d, vd + (h * n_slots + slot) * d);
+    }
+  }
+  // Row offsets of every kept key (shared by the kv heads), walking each page table once.
+  std::vector<int64_t> first(b + 1, 0), offs;
+  offs.reserve(total);
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, pl[i] - window) : 0;
+    for (int64_t p = lo; p < pl[i];) {
+      const int64_t start = p / page_size * page_size, end = std::min(pl[i], start + page_size);
+      const int64_t shift = pp[i * P + p / page_size] * page_size - start;  // slot of position p: shift + p
+      for (; p < end; ++p) offs.push_back((shift + p) * d);
+    }
+    first[i + 1] = int64_t(offs.size());
+  }
+  at::Tensor out = at::empty({b, hq, d}, q.options());
+  const float* pq = q.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const int64_t g = hq / hk;
+  const float sc = float(scale), cap = float(softcap);
+  const int64_t work = g * std::max<int64_t>(total / std::max<int64_t>(b, 1), 1) * d * 2;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(work, 1));
+  at::parallel_for(0, b * hk, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> s;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t bi = i / hk, h = i % hk, n = first[bi + 1] - first[bi];
+      s.resize(g * n);
+      const int64_t off = (bi * hq + h * g) * d;
+      const int64_t* o = offs.data() + first[bi];
+      const float* kh = kd + h * n_slots * d;
+      const float* vh = vd + h * n_slots * d;
+      if (o[n - 1] - o[0] == (n - 1) * d)  // one run of consecutive slots (pages allocated in a row): plain rows
+        kern->attend(pq + off, g, kh + o[0], vh + o[0], n, d, d, sc, cap, s.data(), po + off, d, d);
+      else
+        kern->attend_offsets(pq + off, g, kh, vh, n, o, d, sc, cap, s.data(), po + off, d, d);
+    }
+  });
+  return out;
+}
+
 at::Tensor act_mul(at::Tensor& gate, const at::Tensor& up, const std::string& act, const std::string& isa) {
   check_f32_cpu(gate, "act_mul", "gate");
   check_f32_cpu(up, "act_mul", "up");
@@ -509,7 +630,7 @@ at::Tensor act_mul(at::Tensor& gate, const at::Tensor& up, const std::string& ac
 }  // namespace
 
 const Ops& ops() {
-  static const Ops table{&rms_norm, &add_rms_norm, &rope_, &decode_attention, &act_mul};
+  static const Ops table{&rms_norm, &add_rms_norm, &rope_, &decode_attention, &act_mul, &paged_step_attention};
   return table;
 }
 
@@ -539,6 +660,10 @@ void register_fused(py::module_& m) {
         py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("isa") = "auto",
         py::call_guard<py::gil_scoped_release>(),
         "Single-query GQA attention of q rows over their keys in a paged [kv_heads, slots, head_dim] store");
+  m.def("paged_step_attention", &paged_step_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_store"),
+        py::arg("v_store"), py::arg("pages"), py::arg("lengths"), py::arg("page_size"), py::arg("scale"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::call_guard<py::gil_scoped_release>(),
+        "Store each sequence's new k, v in its page, then single-query GQA attention over its pages in place");
   m.def("act_mul", &act_mul, py::arg("gate"), py::arg("up"), py::arg("act"), py::arg("isa") = "auto",
         "act(gate) * up for act in silu, gelu, gelu_tanh, relu; written over gate when gate is contiguous");
   m.def("fused_isa", &fused_isa, py::arg("isa") = "auto",

@@ -1,5 +1,5 @@
 // The fused float32 CPU ops of cpu_fused.cpp, for C++ callers in the same extension (the decode
-// stack in cpu_ops.cpp). Same semantics as their Python bindings (see cpu_fused.cpp).
+// step in cpu_step.cpp). Same semantics as their Python bindings (see cpu_fused.cpp).
 #pragma once
 #include <ATen/ATen.h>
 
@@ -20,6 +20,10 @@ struct Ops {
                                  at::Tensor& v_cache, int64_t layer, int64_t pos, double scale, int64_t window,
                                  double softcap, const std::string& isa);
   at::Tensor (*act_mul)(at::Tensor& gate, const at::Tensor& up, const std::string& act, const std::string& isa);
+  at::Tensor (*paged_step_attention)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     at::Tensor& k_store, at::Tensor& v_store, const at::Tensor& pages,
+                                     const at::Tensor& lengths, int64_t page_size, double scale, int64_t window,
+                                     double softcap);
 };
 
 const Ops& ops();

@@ -14,6 +14,7 @@
 #include "cpu_kernels.h"
 #include "cpu_fused.h"
 #include "cpu_isa.h"
+#include "cpu_linear.h"
 #include "layer.h"
 
 namespace py = pybind11;
@@ -29,17 +30,6 @@ std::vector<std::pair<std::string, const Kernels*>> available() {
   for (int l = 0; l < isa::kLevels; ++l)
     if (tables[l] && isa::supported(isa::Level(l))) out.push_back({isa::name(isa::Level(l)), tables[l]});
   return out;
-}
-
-const Kernels* kernels_named(const std::string& name) {
-  const auto all = available();
-  if (name.empty() || name == "auto") return all.back().second;
-  for (const auto& [n, k] : all)
-    if (n == name) return k;
-  std::string names;
-  for (const auto& [n, k] : all) names += " " + n;
-  TORCH_CHECK(false, "exl CPU kernels: instruction set '", name, "' is not available here (available:", names,
-              "); set EXL_CPU_ISA to one of these or unset it");
 }
 
 std::vector<std::string> isa_names() {
@@ -66,7 +56,7 @@ Path parse_path(const std::string& s) {
   TORCH_CHECK(false, "exl QuantLinear: unknown path '", s, "' (expected auto, int8, fp32 or gemm)");
 }
 
-class QuantLinearCPU {
+class QuantLinearCPU : public LinearCPU {
  public:
   QuantLinearCPU(at::Tensor qweight, at::Tensor qscale, at::Tensor qmeta, c10::optional<at::Tensor> perm,
                  c10::optional<at::Tensor> su, c10::optional<at::Tensor> sv, c10::optional<at::Tensor> bias,
@@ -90,8 +80,8 @@ class QuantLinearCPU {
     layer_.segs = spec.segs;
   }
 
-  int64_t in_features() const { return layer_.K; }
-  int64_t out_features() const { return layer_.N; }
+  int64_t in_features() const override { return layer_.K; }
+  int64_t out_features() const override { return layer_.N; }
   std::string isa() const { return kernels_->name; }
   void set_isa(const std::string& name) { kernels_ = kernels_named(name); }
 
@@ -103,7 +93,7 @@ class QuantLinearCPU {
     return out;
   }
 
-  at::Tensor forward(const at::Tensor& x, const std::string& path, int64_t gemm_min_rows, bool exact) {
+  at::Tensor forward(const at::Tensor& x, const std::string& path, int64_t gemm_min_rows, bool exact) override {
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat,
                 "exl QuantLinear (CPU kernels): input must be a float32 CPU tensor, got ", x.scalar_type(), " on ",
                 x.device());
@@ -134,11 +124,7 @@ class QuantLinearCPU {
     if (su_.defined()) {
       float* r = scratch<float>(buf, used, size_t(M) * K);
       std::copy(u, u + M * K, r);
-      const uint8_t* s = su_.data_ptr<uint8_t>();
-      const int64_t hb = hadamard_block(K);
-      at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
-        kernels_->fwht(r + m0 * K, m1 - m0, K, K, hb, s, true);
-      });
+      rotate_rows(kernels_, r, M, K, su_.data_ptr<uint8_t>(), true);
       u = r;
     }
     float* yp = y.data_ptr<float>();
@@ -194,26 +180,12 @@ class QuantLinearCPU {
       }
     }
     // 4. y = D_v (H z), 5. bias
-    const float* bp = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
-    if (sv_.defined() || bp) {
-      const uint8_t* s = sv_.defined() ? sv_.data_ptr<uint8_t>() : nullptr;
-      const int64_t hb = hadamard_block(N);
-      at::parallel_for(0, M, std::max<int64_t>(1, 16384 / N), [&](int64_t m0, int64_t m1) {
-        if (s) kernels_->fwht(yp + m0 * N, m1 - m0, N, N, hb, s, false);
-        if (bp)
-          for (int64_t m = m0; m < m1; ++m)
-            for (int64_t n = 0; n < N; ++n) yp[m * N + n] += bp[n];
-      });
-    }
+    if (sv_.defined()) rotate_rows(kernels_, yp, M, N, sv_.data_ptr<uint8_t>(), false);
+    if (bias_.defined()) y.add_(bias_);
     return y.reshape(out_shape);
   }
 
  private:
-  static std::string env_isa() {
-    const char* e = std::getenv("EXL_CPU_ISA");
-    return e ? std::string(e) : std::string();
-  }
-
   // One row of int8 activations in ActQ8::qp's pair order.
   void pair_order(const int8_t* q, int8_t* out) const {
     for (int s = 0; s < layer_.segs.count; ++s) {
@@ -292,99 +264,30 @@ int64_t parallel_chunks(int64_t n) {
   return chunks.load();
 }
 
-// The whole decode step of a pre-norm llama-family model in one call (one sequence, one new token,
-// contiguous float32 KV cache): per block RMSNorm, q/k/v, RoPE, cache store + attention, o, the
-// residual add fused with the next RMSNorm, gate/up, act * up, down and the second residual add.
-// The same kernels and fused ops, in the same order, as the modules' fused path
-// (exl/models/llama.py builds it from them); what it removes is the Python between them.
-class DecoderStackCPU {
- public:
-  void add_block(int64_t cache_layer, at::Tensor attn_norm, at::Tensor mlp_norm, double eps, py::object q,
-                 py::object k, py::object v, py::object o, py::object gate, py::object up, py::object down,
-                 int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, int64_t window, double softcap,
-                 std::string act, int64_t gemm_min_rows, bool exact, c10::optional<at::Tensor> q_norm,
-                 c10::optional<at::Tensor> k_norm, double qk_eps) {
-    Block b;
-    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "exl DecoderStackCPU: give both q_norm and k_norm or neither");
-    if (q_norm) b.q_norm = q_norm->contiguous();
-    if (k_norm) b.k_norm = k_norm->contiguous();
-    b.qk_eps = qk_eps;
-    b.cache_layer = cache_layer;
-    b.attn_norm = attn_norm.contiguous();
-    b.mlp_norm = mlp_norm.contiguous();
-    b.eps = eps;
-    py::object objs[7] = {q, k, v, o, gate, up, down};
-    QuantLinearCPU** slots[7] = {&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down};
-    for (int i = 0; i < 7; ++i) {
-      *slots[i] = objs[i].cast<QuantLinearCPU*>();  // a TypeError names the bad argument
-      keep_.push_back(objs[i]);                     // the layers live as long as this stack
-    }
-    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0,
-                "exl DecoderStackCPU: bad head layout ", heads, "/", kv_heads, " x ", head_dim);
-    TORCH_CHECK(b.q->out_features() == heads * head_dim && b.k->out_features() == kv_heads * head_dim &&
-                    b.v->out_features() == kv_heads * head_dim && b.o->in_features() == heads * head_dim,
-                "exl DecoderStackCPU: q/k/v/o shapes do not match ", heads, "/", kv_heads, " heads of ", head_dim);
-    b.heads = heads;
-    b.kv_heads = kv_heads;
-    b.head_dim = head_dim;
-    b.scale = scale;
-    b.window = window;
-    b.softcap = softcap;
-    b.act = std::move(act);
-    b.gemm_min_rows = gemm_min_rows;
-    b.exact = exact;
-    blocks_.push_back(std::move(b));
-  }
-
-  int64_t size() const { return int64_t(blocks_.size()); }
-
-  // x: [1, 1, hidden] (the embedded token); returns the residual stream after the last block.
-  at::Tensor forward(const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos, const at::Tensor& cos,
-                     const at::Tensor& sin) const {
-    TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1 && x.scalar_type() == at::kFloat,
-                "exl DecoderStackCPU: x must be float32 [1, 1, hidden], got ", x.scalar_type(), " ", x.sizes());
-    const fused::Ops& f = fused::ops();
-    at::Tensor h = x;
-    for (const Block& b : blocks_) {
-      const at::Tensor n = f.rms_norm(h, b.attn_norm, b.eps);
-      at::Tensor q = b.q->forward(n, "auto", b.gemm_min_rows, b.exact).view({1, 1, b.heads, b.head_dim});
-      at::Tensor k = b.k->forward(n, "auto", b.gemm_min_rows, b.exact).view({1, 1, b.kv_heads, b.head_dim});
-      const at::Tensor v = b.v->forward(n, "auto", b.gemm_min_rows, b.exact).view({1, 1, b.kv_heads, b.head_dim});
-      f.rope_(q, k, cos, sin, b.q_norm, b.k_norm, b.qk_eps);
-      const at::Tensor o = f.decode_attention(q, k, v, k_cache, v_cache, b.cache_layer, pos, b.scale, b.window,
-                                              b.softcap, "auto");
-      at::Tensor a = b.o->forward(o.view({1, 1, b.heads * b.head_dim}), "auto", b.gemm_min_rows, b.exact);
-      auto [s, m] = f.add_rms_norm(a, h, b.mlp_norm, b.eps, c10::nullopt);
-      at::Tensor g = b.gate->forward(*m, "auto", b.gemm_min_rows, b.exact);
-      const at::Tensor u = b.up->forward(*m, "auto", b.gemm_min_rows, b.exact);
-      const at::Tensor act = f.act_mul(g, u, b.act, "auto");
-      h = b.down->forward(act, "auto", b.gemm_min_rows, b.exact).add_(s);
-    }
-    return h;
-  }
-
- private:
-  struct Block {
-    int64_t cache_layer = 0;
-    at::Tensor attn_norm, mlp_norm;
-    double eps = 1e-6;
-    c10::optional<at::Tensor> q_norm, k_norm;  // Qwen3: RMSNorm on each query and key head before RoPE
-    double qk_eps = 1e-6;
-    QuantLinearCPU *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *gate = nullptr, *up = nullptr,
-                   *down = nullptr;
-    int64_t heads = 0, kv_heads = 0, head_dim = 0;
-    double scale = 1.0;
-    int64_t window = 0;
-    double softcap = 0.0;
-    std::string act;
-    int64_t gemm_min_rows = 17;
-    bool exact = false;
-  };
-  std::vector<Block> blocks_;
-  std::vector<py::object> keep_;
-};
-
 }  // namespace
+
+const Kernels* kernels_named(const std::string& name) {
+  const auto all = available();
+  if (name.empty() || name == "auto") return all.back().second;
+  for (const auto& [n, k] : all)
+    if (n == name) return k;
+  std::string names;
+  for (const auto& [n, k] : all) names += " " + n;
+  TORCH_CHECK(false, "exl CPU kernels: instruction set '", name, "' is not available here (available:", names,
+              "); set EXL_CPU_ISA to one of these or unset it");
+}
+
+// A bound linear layer (QuantLinearCPU or TrellisLinearCPU, both LinearCPU) as seen by the decode step
+// (cpu_step.cpp), which composes the layers.
+void* quant_linear_ptr(py::handle layer) { return layer.cast<LinearCPU*>(); }
+at::Tensor quant_linear_forward(void* layer, const at::Tensor& x, int64_t gemm_min_rows, bool exact) {
+  return static_cast<LinearCPU*>(layer)->forward(x, "auto", gemm_min_rows, exact);
+}
+int64_t quant_linear_features(void* layer, bool out) {
+  auto* l = static_cast<LinearCPU*>(layer);
+  return out ? l->out_features() : l->in_features();
+}
+
 }  // namespace cpu
 }  // namespace exl
 
@@ -392,24 +295,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using exl::cpu::QuantLinearCPU;
   m.doc() = "exl CPU kernels: fused dequant-matmul for the exl quantized format";
   void register_fused(py::module_&); register_fused(m);  // the fused decode ops, cpu_fused.cpp
+  py::class_<exl::cpu::LinearCPU>(m, "LinearCPU");  // the base of every CPU linear layer the decode step takes
+  void register_trellis(py::module_&); register_trellis(m);  // TrellisLinearCPU, cpu_trellis_ops.cpp
+  void register_trellis_encode(py::module_&); register_trellis_encode(m);  // the trellis encoder, trellis_encode.cpp
+  void register_step(py::module_&); register_step(m);    // the one-call decode step, cpu_step.cpp
   m.def("isa_names", &exl::cpu::isa_names, "Instruction sets usable on this CPU, best last");
   m.def("parallel_chunks", &exl::cpu::parallel_chunks, "Chunks at::parallel_for runs for n units (threading check)");
   m.def("fwht", &exl::cpu::fwht, py::arg("x"), py::arg("block") = 0, py::arg("signs") = py::none(),
         py::arg("signs_first") = true, py::arg("isa") = "auto",
         "Normalized blockwise fast Walsh-Hadamard transform over the last dim, optional sign flip");
-  py::class_<exl::cpu::DecoderStackCPU>(m, "DecoderStackCPU")
-      .def(py::init<>())
-      .def("add_block", &exl::cpu::DecoderStackCPU::add_block, py::arg("cache_layer"), py::arg("attn_norm"),
-           py::arg("mlp_norm"), py::arg("eps"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("gate"),
-           py::arg("up"), py::arg("down"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("scale"),
-           py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("act") = "silu", py::arg("gemm_min_rows") = 17,
-           py::arg("exact") = false, py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
-           py::arg("qk_eps") = 1e-6, "Append a pre-norm block (its seven QuantLinearCPU layers and norms)")
-      .def("forward", &exl::cpu::DecoderStackCPU::forward, py::arg("x"), py::arg("k_cache"), py::arg("v_cache"),
-           py::arg("pos"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>(),
-           "Run every block for one new token at position pos of a contiguous float32 KV cache")
-      .def("__len__", &exl::cpu::DecoderStackCPU::size);
-  py::class_<QuantLinearCPU>(m, "QuantLinearCPU")
+  py::class_<QuantLinearCPU, exl::cpu::LinearCPU>(m, "QuantLinearCPU")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>,
                     c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                     const std::string&>(),

@@ -212,6 +212,7 @@ torch::Tensor kv_dequantize(const torch::Tensor& packed, const torch::Tensor& sc
 
 void bind(pybind11::module_& m) {
   m.doc() = "exl CUDA kernels: fused dequant GEMV, GEMM via cuBLAS, Hadamard, quantized KV cache";
+  void register_trellis_cuda(pybind11::module_&); register_trellis_cuda(m);  // cuda_trellis_ops.cpp
   m.def("fwht", &exl::cuda::fwht, py::arg("x"), py::arg("block") = 0, py::arg("signs") = py::none(),
         py::arg("signs_first") = true);
   m.def("kv_quantize", &exl::cuda::kv_quantize, py::arg("x"), py::arg("bits"), py::arg("signs") = py::none());

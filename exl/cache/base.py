@@ -27,6 +27,11 @@ class AttentionContext:
     def attend(self, layer: int, q, k, v, *, scale, window=None, softcap=None) -> torch.Tensor:
         raise NotImplementedError
 
+    def decode_batch(self):
+        """What the one-call decode step (CausalLM.decode_step) reads, when this pass is one it serves:
+        (k_store, v_store, page table [B, P], lengths [B], page_size); else None."""
+        return None
+
     def finish(self) -> None:
         """Called once after the last layer."""
 

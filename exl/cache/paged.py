@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -473,22 +474,59 @@ class PagedContext(AttentionContext):
 
     def __init__(self, cache: PagedCache, segments: list[tuple[PageTable, int]]):
         self.cache = cache
+        self.tables = [t for t, _ in segments]
+        self.counts = [n for _, n in segments]
+        self.starts = [t.length for t in self.tables]
         ps = cache.page_size
-        pos, slots, self.segments = [], [], []
-        offset = 0
-        for table, n in segments:
-            start = table.length
+        for table, n, start in zip(self.tables, self.counts, self.starts):
             if len(table.pages) * ps < start + n:
                 raise RuntimeError("PagedContext: call PagedCache.extend before the forward pass")
-            p = np.arange(start, start + n)
-            pos.append(p)
-            slots.append(np.asarray(table.pages, dtype=np.int64)[p // ps] * ps + p % ps)
-            self.segments.append((offset, n, start, table.runs(start + n)))
-            offset += n
-        device = cache.device
-        super().__init__(torch.from_numpy(np.concatenate(pos)).to(device)[None])
-        self.slots = torch.from_numpy(np.concatenate(slots)).to(device)
+        if all(n == 1 for n in self.counts):  # a decode step: one position per sequence
+            pos = np.array(self.starts, dtype=np.int64)
+        else:
+            pos = np.concatenate([np.arange(s, s + n) for s, n in zip(self.starts, self.counts)])
+        super().__init__(torch.from_numpy(pos).to(cache.device)[None])
         self._masks: dict = {}
+
+    # What the module-by-module path reads (the one-call decode step needs neither): built on first use.
+    @cached_property
+    def segments(self) -> list[tuple[int, int, int, list]]:
+        """(offset in the packed batch, new tokens, first new position, runs of slots up to the last) per sequence."""
+        offsets = np.cumsum([0] + self.counts[:-1]).tolist()
+        return [(o, n, s, t.runs(s + n)) for o, n, s, t in zip(offsets, self.counts, self.starts, self.tables)]
+
+    @cached_property
+    def slots(self) -> torch.Tensor:
+        """The slot of every new token, in packed-batch order."""
+        ps = self.cache.page_size
+        p = self.positions[0].cpu().numpy()
+        pages = np.concatenate([np.asarray(t.pages, dtype=np.int64)[np.arange(s, s + n) // ps]
+                                for t, s, n in zip(self.tables, self.starts, self.counts)])
+        return torch.from_numpy(pages * ps + p % ps).to(self.cache.device)
+
+    def decode_batch(self):
+        """One new token of every sequence over a float32 store: the one-call decode step's paged view
+        (AttentionContext.decode_batch)."""
+        if "_decode_batch" not in self.__dict__:
+            self._decode_batch = self._make_decode_batch()
+        return self._decode_batch
+
+    def _make_decode_batch(self):
+        c = self.cache
+        if type(c.k) is not FloatStore or type(c.v) is not FloatStore or c.k.data.dtype is not torch.float32 \
+                or c.v.data.dtype is not torch.float32 or c.device.type != "cpu":
+            return None
+        if any(n != 1 for n in self.counts):
+            return None
+        tables = self.tables
+        if len(tables) == 1:
+            pages = torch.tensor([tables[0].pages], dtype=torch.long)
+        else:
+            pages = np.zeros((len(tables), max(len(t.pages) for t in tables)), dtype=np.int64)
+            for i, t in enumerate(tables):
+                pages[i, : len(t.pages)] = t.pages
+            pages = torch.from_numpy(pages)
+        return c.k.data, c.v.data, pages, self.positions[0] + 1, c.page_size
 
     def _mask(self, i: int, window: int | None, runs):
         """Boolean [n, kept keys] for segment i; None when every query sees every kept key; "causal" for a
@@ -511,7 +549,10 @@ class PagedContext(AttentionContext):
     def _batch(self) -> "_Batched | None":
         """This forward pass's batched group (built on first use, from `segments` alone); None if too few qualify."""
         if "_batched" not in self.__dict__:
-            self._batched = _Batched.build(self.segments, self.cache.device)
+            c = self.cache  # one decode row over a float32 store also goes through the in-place C++ op
+            in_place = fused.enabled() and c.device.type == "cpu" and type(c.k) is FloatStore \
+                and c.k.data.dtype is torch.float32
+            self._batched = _Batched.build(self.segments, self.cache.device, single=in_place)
         return self._batched
 
     def attend(self, layer, q, k, v, *, scale, window=None, softcap=None):
@@ -561,10 +602,11 @@ class _Batched:
         self._bufs = None
 
     @staticmethod
-    def build(segments, device) -> "_Batched | None":
+    def build(segments, device, single: bool = False) -> "_Batched | None":
+        """single: a group of one decode row is worth it too (the in-place C++ op serves it)."""
         members = [i for i, (_, n, start, _) in enumerate(segments)
                    if n <= BATCHED_MAX_QUERIES and start + n <= BATCHED_MAX_KEYS]
-        if len(members) < 2:
+        if len(members) < 2 and not (single and len(members) == 1 and segments[members[0]][1] == 1):
             return None
         g, nq = len(members), max(segments[i][1] for i in members)
         L = max(segments[i][1] + segments[i][2] for i in members)

@@ -25,14 +25,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "to convert to another size without measuring again")
     p.add_argument("--seed", type=int, default=0, help="seed for the calibration corpus, random signs and the Fisher pass")
     p.add_argument("-ss", "--shard-size", type=int, default=4096, help="maximum shard size in MB")
+    p.add_argument("--codes", choices=("auto", "scalar", "trellis"), default="auto",
+                   help="weight codes: auto chooses per matrix between scalar and trellis codes by predicted quality at "
+                        "the bit budget; scalar or trellis restricts to one kind (docs/format.md §1, §7)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or final table")
 
 
 def job_from_args(args):
     from quant.convert import Job
+    from quant.options import QuantOptions
 
-    return Job(input=args.input, output=args.output, bits=args.bits, head_bits=args.head_bits, work=args.work,
+    return Job(options=QuantOptions(codes=getattr(args, "codes", "auto")), input=args.input, output=args.output, bits=args.bits, head_bits=args.head_bits, work=args.work,
                calibration=args.calibration, column=args.calibration_column, rows=args.calibration_rows,
                length=args.calibration_length, measurement=args.measurement, seed=args.seed,
                shard_mb=args.shard_size, device=args.device)

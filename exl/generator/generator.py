@@ -419,7 +419,8 @@ class Generator:
             offset += n
         out, best = [None] * len(segments), [None] * len(segments)
         if rows:
-            lg = self.model.logits(h[0, torch.tensor(rows, device=h.device)][None])[0].cpu()  # sampled on the CPU
+            hr = h[0] if len(rows) == h.shape[1] else h[0, torch.tensor(rows, device=h.device)]  # (decode: every row)
+            lg = self.model.logits(hr[None])[0].cpu()  # sampled on the CPU
             top = None
             if any(j._run.plain_greedy for j, _, _ in segments):
                 # One argmax over every row, for the plain greedy jobs (ties go to the first index, as in `process`).

@@ -16,6 +16,7 @@ from exl.cache.base import NoCache
 from exl.config import ModelConfig
 from exl.errors import UnsupportedModelError
 from exl.loader import TensorLoader
+from exl.modules import fused
 from exl.modules.attention import Attention
 from exl.modules.linear import Linear, load_linear
 from exl.modules.mlp import GatedMLP
@@ -189,7 +190,7 @@ class CausalLM(nn.Module):
             b, t = input_ids.shape
             ctx = cache.context(t) if cache is not None else NoCache(b, t, input_ids.device)
         h = self.embed(input_ids)
-        out = self.decode_blocks(h, ctx)
+        out = self.decode_step(h, ctx)
         if out is None:
             for layer in self.layers:
                 h = layer(h, ctx)
@@ -200,9 +201,57 @@ class CausalLM(nn.Module):
             return h
         return self.logits(h[:, -1:] if last_only else h)
 
-    def decode_blocks(self, h: torch.Tensor, ctx) -> torch.Tensor | None:
-        """A family's one-call decode step over every block (see Llama), or None: run them one by one."""
-        return None
+    # -- decode in one call ----------------------------------------------------------------------------------------
+    # A decode batch of the paged float32 cache (one new token for each of any number of sequences) runs every block
+    # inside the CPU extension (cuda_ext/csrc/cpu_step.cpp): each block composes its modules' `cpu_step` objects into
+    # one, and this model strings them together. The same kernels and fused ops as the modules' fused path, without
+    # the Python between them. Anything else (prefill, drafts, other caches, hooks, autograd) runs block by block.
+
+    _step = None  # the extension's DecodeStep, False where it does not apply; built on first use
+
+    def decode_step(self, h: torch.Tensor, ctx) -> torch.Tensor | None:
+        """The blocks' output for h [1, sequences, hidden] in one call, or None: run them one by one."""
+        batch = ctx.decode_batch()
+        if batch is None:
+            return None
+        ext = fused.ops(h)
+        if ext is None:
+            return None
+        if self._step is None:
+            self._step = self._build_step(ext)
+        if not self._step or self._hooked():
+            return None
+        n = h.shape[1]
+        tables = [ctx.rope(r, h.dtype) for r in self._step_ropes]
+        return self._step.forward(h[0], *batch, [c.view(n, 1, -1) for c, _ in tables],
+                                  [s.view(n, 1, -1) for _, s in tables])[None]
+
+    def _build_step(self, ext):
+        if not hasattr(ext, "DecodeStep") or not len(self.layers):
+            return False
+        ropes, step = [], ext.DecodeStep()
+        for block in self.layers:
+            b = fused.step(block, ext, ropes)
+            if b is None:
+                return False
+            step.add(b)
+        self._step_ropes = ropes
+        self._hook_targets = [m for block in self.layers for m in block.modules()]
+        return step
+
+    def _hooked(self) -> bool:
+        """Forward hooks anywhere in the blocks (or global ones) need the module-by-module path."""
+        g = nn.modules.module
+        return bool(g._global_forward_hooks or g._global_forward_pre_hooks) or any(
+            m._forward_hooks or m._forward_pre_hooks for m in self._hook_targets)
+
+    def _apply(self, fn, *args, **kwargs):  # moved or converted: the kernels are rebuilt, so is the step
+        self._step = None
+        return super()._apply(fn, *args, **kwargs)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._step = None
+        return super()._load_from_state_dict(*args, **kwargs)
 
     def logits(self, h: torch.Tensor, norm: nn.Module | None = None, head: nn.Module | None = None) -> torch.Tensor:
         """Float32 logits of final hidden states, soft-capped where the family caps them. norm / head: these instead

@@ -32,6 +32,15 @@ class Gemma3Block(nn.Module):
         x, h = ext.add_rms_norm(a, x, self.pre_ff.weight, eps, self.post_attn.weight)
         return ext.add_rms_norm(self.mlp(h), x, None, eps, self.post_ff.weight)[0]
 
+    def cpu_step(self, ext, ropes: list):
+        """This block in the one-call decode step (exl.modules.fused.step), or None."""
+        attn, ffn = fused.step(self.attn, ext, ropes), fused.step(self.mlp, ext)
+        if attn is None or ffn is None:
+            return None
+        eps = self.pre_attn.eps
+        return ext.BlockStep(self.pre_attn.weight, eps, attn, self.post_attn.weight, self.pre_ff.weight, eps, ffn,
+                             self.post_ff.weight)
+
 
 @register("Gemma3ForCausalLM")
 class Gemma3(CausalLM):

@@ -8,7 +8,7 @@ from exl.models.llama import DecoderBlock, Llama
 
 
 @register("Qwen2ForCausalLM")
-class Qwen2(Llama):  # the Llama block and its one-call decode step
+class Qwen2(Llama):  # the Llama block
     def build_block(self, b: Builder, layer: int, prefix: str):
         return DecoderBlock(
             b.norm(f"{prefix}.input_layernorm.weight"),

@@ -81,3 +81,18 @@ class Attention(nn.Module):
             q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         out = ctx.attend(self.layer, q, k, v, scale=self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+
+    def cpu_step(self, ext, ropes: list):
+        """This attention in the one-call decode step (exl.modules.fused.step), or None. ropes: the model's RoPE
+        modules in the order the step receives their cos/sin tables (this one is added if new)."""
+        linears = [fused.step(m, ext) for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)]
+        if None in linears:
+            return None
+        if not any(r is self.rope for r in ropes):
+            ropes.append(self.rope)
+        index = next(i for i, r in enumerate(ropes) if r is self.rope)
+        qn, kn = self.q_norm, self.k_norm
+        return ext.AttentionStep(self.layer, *linears, heads=self.num_heads, kv_heads=self.num_kv_heads,
+                                 head_dim=self.head_dim, rope=index, scale=self.scale, window=self.window or 0,
+                                 softcap=self.softcap or 0.0, q_norm=None if qn is None else qn.weight,
+                                 k_norm=None if kn is None else kn.weight, qk_eps=1e-6 if qn is None else qn.eps)

@@ -52,3 +52,10 @@ def disabled():
         yield
     finally:
         _enabled = before
+
+
+def step(module, ext, *args):
+    """The module's part of the one-call decode step (its `cpu_step(ext, ...)`, cuda_ext/csrc/cpu_step.cpp),
+    or None when it has none: then the model decodes module by module."""
+    make = getattr(module, "cpu_step", None)
+    return None if make is None else make(ext, *args)

@@ -33,6 +33,13 @@ class GatedMLP(nn.Module):
             return self.down(ext.act_mul(self.gate(x), self.up(x), self.act_kind))
         return self.down(self.act(self.gate(x)) * self.up(x))
 
+    def cpu_step(self, ext):
+        """This MLP in the one-call decode step (exl.modules.fused.step), or None."""
+        parts = [fused.step(m, ext) for m in (self.gate, self.up, self.down)]
+        if self.act_kind is None or None in parts:
+            return None
+        return ext.MLPStep(*parts, self.act_kind)
+
 
 class SparseMoE(nn.Module):
     """Top-k routed experts (Mixtral, Qwen2/3-MoE), plus an optional gated shared expert."""
@@ -66,3 +73,14 @@ class SparseMoE(nn.Module):
                 s = torch.sigmoid(self.shared_gate(x)) * s
             out = out + s
         return out.view(shape)
+
+    def cpu_step(self, ext):
+        """This mixture in the one-call decode step (exl.modules.fused.step), or None."""
+        router = fused.step(self.router, ext)
+        experts = [fused.step(e, ext) for e in self.experts]
+        shared = fused.step(self.shared, ext) if self.shared is not None else None
+        gate = fused.step(self.shared_gate, ext) if self.shared_gate is not None else None
+        if router is None or None in experts or (shared is None) != (self.shared is None) \
+                or (gate is None) != (self.shared_gate is None):
+            return None
+        return ext.MoEStep(router, experts, self.top_k, self.normalize, shared, gate)

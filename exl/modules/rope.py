@@ -73,6 +73,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        if self.rope.type != "dynamic" and positions.numel() <= 64:  # decode steps: rows of a table, not 6 ops
+            table = self._table(int(positions.max()) + 1, dtype, positions.device)
+            if table is not None:
+                cos, sin = table
+                return cos[positions], sin[positions]
         inv = self.inv_freq
         if self.rope.type == "dynamic":
             seq_len = int(positions.max()) + 1
@@ -82,6 +87,24 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.to(torch.float32)[..., None] * inv
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+
+    def _table(self, end: int, dtype, device):
+        """cos/sin of positions [0, end) or more (the same values cos_sin computes), or None past max_pos."""
+        if end > self.max_pos:
+            return None
+        t = self.__dict__.get("_tables", {}).get((dtype, device))
+        if t is None or t[0].shape[0] < end:
+            n = min(self.max_pos, max(end, 1024, 2 * (t[0].shape[0] if t is not None else 0)))
+            inv = self.inv_freq
+            freqs = torch.arange(n, device=device).to(torch.float32)[..., None] * inv
+            emb = torch.cat((freqs, freqs), dim=-1)
+            t = ((emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype))
+            self.__dict__.setdefault("_tables", {})[(dtype, device)] = t
+        return t
+
+    def _apply(self, fn, *args, **kwargs):  # moved or converted: the tables are rebuilt
+        self.__dict__.pop("_tables", None)
+        return super()._apply(fn, *args, **kwargs)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [B, T, H, D]; cos/sin: [B, T, rot_dim]."""

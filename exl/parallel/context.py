@@ -143,6 +143,7 @@ def _register_paged() -> None:
         ctx = PagedContext.__new__(PagedContext)
         AttentionContext.__init__(ctx, s["positions"].to(cache.device))
         ctx.cache, ctx.slots, ctx.segments, ctx._masks = cache, s["slots"].to(cache.device), s["segments"], {}
+        ctx._decode_batch = None  # no page tables here: a follower's blocks run one by one
         return ctx
 
     register_context(PagedContext, describe_paged, rebuild_paged)

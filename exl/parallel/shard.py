@@ -22,7 +22,7 @@ from exl.config import ModelConfig
 from exl.errors import ModelLoadError
 from exl.loader import TensorLoader
 from exl.models.base import ARCHITECTURES, Builder, CausalLM
-from exl.modules.linear import QUANT_TENSORS, Linear, is_quantized
+from exl.modules.linear import QUANT_TENSORS, Linear, is_quantized, is_trellis
 from exl.modules.mlp import SparseMoE
 from exl.parallel.comm import Comm
 from exl.parallel.plan import ParallelError, channel_unit, snap_cuts, split
@@ -156,6 +156,8 @@ class ParallelMoE(SparseMoE):
     """Routed experts spread over ranks: every rank routes all tokens, runs the experts it holds
     (whole experts, or its channel slice of every expert), and one all-reduce sums the outputs."""
 
+    cpu_step = None  # the all-reduce is no part of the one-call decode step: these blocks run one by one
+
     def __init__(self, moe: SparseMoE, comm: Comm):
         super().__init__(moe.router, list(moe.experts), moe.top_k, moe.normalize, moe.shared, moe.shared_gate)
         self.comm = comm
@@ -278,6 +280,10 @@ class ShardedBuilder(Builder):
         spec = self._specs.pop(prefix, None)
         if spec is None:
             return super().linear(prefix, k, n, bias)
+        if is_trellis(self.loader, prefix):
+            raise ModelLoadError(f"{self.loader.path}: layer {prefix!r} is trellis-coded; splitting trellis layers "
+                                 f"across devices ({self.plan.mode} parallelism) is not supported yet. Use "
+                                 "--parallel-mode layer (whole layers per device) or one device")
         if is_quantized(self.loader, prefix):
             t = self.loader.get_group(prefix, QUANT_TENSORS)
             if fmt.layer_shape(t) != (n, k):

@@ -2,3 +2,4 @@
 #include "device_pass.h"
 
 #include "../cuda_kernels.cu"
+#include "../cuda_trellis.cu"

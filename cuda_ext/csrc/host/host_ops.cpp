@@ -4,6 +4,7 @@
 // buffers in the tests), so a write out of bounds shows.
 #define EXL_CUDA_OPS_NO_MODULE
 #include "../cuda_ops.cpp"
+#include "../cuda_trellis_ops.cpp"  // TrellisLinearCUDA, registered by bind()
 
 #include "toy_kernels.h"
 

@@ -1,0 +1,49 @@
+// CPU trellis kernels (docs/format.md §7): plain C++ (no torch), one table per instruction set,
+// chosen at run time by the same names as cpu_kernels.h's tables (scalar, avx2, avxvnni,
+// avx512vnni). The ISA units follow cpu_kernels.h's rules: kernels in anonymous namespaces,
+// reached only through the tables.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#include "trellis_format.h"
+
+namespace exl {
+namespace cpu {
+
+// A trellis-coded layer as the kernels see it.
+struct TrellisLayer {
+  const uint32_t* words;   // [N/16, K/16, 8*bits]: tile (i, j) at words + (i*(K/16) + j) * tile_words(bits)
+  const uint16_t* tscale;  // fp16 bits, [N]
+  int64_t N, K;
+  TrellisCode code;
+};
+
+struct TrellisKernels {
+  const char* name;
+  // y[m, n] = tscale[n] * sum_k value(n, k) x[m, k] for the outputs of tile rows [i0, i1) (n = 16*i0 ..
+  // 16*i1 - 1); x: [M, K] contiguous, y: row stride ldy. Each tile is decoded once for all M rows, and
+  // a row's arithmetic does not depend on M or on the other rows (batch invariance): every output
+  // sums its K products in order k = 0, 1, ..., K-1 with fp32 fused multiply-adds, then scales.
+  void (*gemv)(const TrellisLayer&, const float* x, int64_t M, float* y, int64_t ldy, int64_t i0, int64_t i1);
+  // out[k * ldo + (n - 16*i0)] = value(n, k) (exact small integers as fp32), for the outputs n of
+  // tile rows [i0, i1) and every k: the transposed block a GEMM multiplies with.
+  void (*decode)(const TrellisLayer&, int64_t i0, int64_t i1, float* out, int64_t ldo);
+  // The GEMV with int8 activations (quantized per 32 channels as the scalar layers' int8 path, K a
+  // multiple of 32): qq [M, K] each int8 activation repeated in the 4 bytes of an int32, d [M, K/32]
+  // the steps, bsum [M, K/32] the sums of the int8 values per block. Per output and block of 32
+  // channels the sum of (value + 510) * q is exact in int32 (one vpdpbusd of x = A s + B's bytes
+  // against q per column: the byte sum and the product in one instruction); minus 510 * bsum,
+  // converted, times d, it is added in fp32 block after block (order k = 0, 32, ...), then scaled.
+  // Bit for bit the same on every table that has it (nullptr: none, use gemv).
+  void (*gemv_q8)(const TrellisLayer&, const int32_t* qq, const float* d, const int32_t* bsum, int64_t M, float* y,
+                  int64_t ldy, int64_t i0, int64_t i1);
+};
+
+const TrellisKernels* scalar_trellis();
+const TrellisKernels* avx2_trellis();        // AVX2 + FMA + F16C
+const TrellisKernels* avxvnni_trellis();     // the above + AVX-VNNI (byte sums with vpdpbusd)
+const TrellisKernels* avx512vnni_trellis();  // AVX-512 F/BW/VL/DQ + VNNI
+
+}  // namespace cpu
+}  // namespace exl

@@ -1,0 +1,124 @@
+// CUDA trellis kernels (docs/format.md §7): decode-and-dot GEMV for 1-8 activation rows and tile
+// dequantization (fp16, scale folded in) for the cuBLAS GEMM path. The state and code are
+// trellis_format.h's, the same functions the scalar CPU kernels run. Launches go through
+// EXL_LAUNCH so that the host harness (docs/cuda_host.md) runs this same source.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "cuda_device.cuh"
+#include "cuda_trellis.h"
+#include "trellis_format.h"
+
+namespace exl {
+namespace cuda {
+namespace {
+
+constexpr int kTrellisWarps = 4;  // warps (tile rows) per block of the GEMV
+
+// Word w (mod the tile's n words) of a tile held by the warp: lane l has words l (lo) and l + 32 (hi).
+__device__ __forceinline__ uint32_t tile_word(uint32_t lo, uint32_t hi, int w, int n) {
+  w = w < n ? w : w - n;
+  const uint32_t a = __shfl_sync(kFull, lo, w & 31), b = __shfl_sync(kFull, hi, w & 31);
+  return w < 32 ? a : b;
+}
+
+__device__ __forceinline__ float code_value(uint32_t state, const TrellisCode& c) {
+  return float(trellis_value(state, c));
+}
+
+// One warp per tile row (16 outputs). Lane l decodes, in every tile of the row, column c = l / 2
+// (input channel 16j + c), rows 8 (l & 1) .. + 7: weights t = 16c + 8(l & 1) + 0..7, whose windows
+// lie in the 4 words from bit (16c + 8(l & 1)) K on. Partial sums of the 16 lanes of the same
+// parity are added at the end.
+template <int MR>
+__global__ void trellis_gemv_kernel(TrellisDev T, const float* __restrict__ x, int M, float* __restrict__ z) {
+  const int lane = threadIdx.x & 31;
+  const int64_t i = int64_t(blockIdx.x) * kTrellisWarps + (threadIdx.x >> 5);
+  if (i >= T.N / kTile) return;  // a whole warp leaves together
+  const int K = T.code.bits, n = tile_words(K);
+  const int64_t kt = T.K / kTile;
+  const int c = lane >> 1, r0 = (lane & 1) * 8;
+  const int bit0 = (16 * c + r0) * K, a0 = bit0 >> 5;
+  const uint32_t mask = (1u << T.code.state_bits) - 1u;
+  float acc[MR][8];
+#pragma unroll
+  for (int m = 0; m < MR; ++m)
+#pragma unroll
+    for (int r = 0; r < 8; ++r) acc[m][r] = 0.0f;
+  const uint32_t* w = T.words + i * kt * n;
+  for (int64_t j = 0; j < kt; ++j, w += n) {
+    const uint32_t lo = lane < n ? __ldg(w + lane) : 0u, hi = lane + 32 < n ? __ldg(w + lane + 32) : 0u;
+    uint32_t wd[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) wd[q] = tile_word(lo, hi, a0 + q, n);
+    float xv[MR];
+#pragma unroll
+    for (int m = 0; m < MR; ++m) xv[m] = m < M ? __ldg(x + m * T.K + j * kTile + c) : 0.0f;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const int b = bit0 + r * K - 32 * a0, q = b >> 5, sh = b & 31;  // q <= 2: the window is in wd[q], wd[q+1]
+      const uint64_t pair = uint64_t(wd[q]) | (uint64_t(wd[q + 1]) << 32);
+      const float v = code_value(uint32_t(pair >> sh) & mask, T.code);
+#pragma unroll
+      for (int m = 0; m < MR; ++m) acc[m][r] = fmaf(v, xv[m], acc[m][r]);
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MR; ++m)
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      float s = acc[m][r];
+#pragma unroll
+      for (int o = 16; o > 1; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
+      acc[m][r] = s;
+    }
+  if (lane < 2) {
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const int64_t nn = i * kTile + r0 + r;
+      const float sc = __half2float(T.tscale[nn]);
+#pragma unroll
+      for (int m = 0; m < MR; ++m)
+        if (m < M) z[m * T.N + nn] = acc[m][r] * sc;
+    }
+  }
+}
+
+// One block of 256 threads per tile: thread t decodes weight t (row t mod 16, column t div 16).
+__global__ void trellis_dequant_kernel(TrellisDev T, int64_t i0, __half* __restrict__ out) {
+  __shared__ uint32_t words[64];
+  const int64_t kt = T.K / kTile, tile = blockIdx.x;
+  const int64_t i = i0 + tile / kt, j = tile % kt;
+  const int n = tile_words(T.code.bits), t = threadIdx.x;
+  if (t < n) words[t] = T.words[(i * kt + j) * n + t];
+  __syncthreads();
+  const int r = t & 15, c = t >> 4;
+  const int64_t row = i * kTile + r;
+  const float v = code_value(trellis_state(words, t, T.code), T.code);
+  out[(row - i0 * kTile) * T.K + j * kTile + c] = __float2half_rn(v * __half2float(T.tscale[row]));
+}
+
+}  // namespace
+
+void launch_trellis_gemv(const TrellisDev& T, const float* x, int M, float* z, cudaStream_t stream) {
+  const int64_t tiles = T.N / kTile;
+  if (tiles == 0 || M <= 0) return;
+  const dim3 grid(unsigned((tiles + kTrellisWarps - 1) / kTrellisWarps)), block(32 * kTrellisWarps);
+  switch (M) {
+    case 1: EXL_LAUNCH(grid, block, 0, stream, trellis_gemv_kernel<1>)(T, x, M, z); break;
+    case 2: EXL_LAUNCH(grid, block, 0, stream, trellis_gemv_kernel<2>)(T, x, M, z); break;
+    case 3:
+    case 4: EXL_LAUNCH(grid, block, 0, stream, trellis_gemv_kernel<4>)(T, x, M, z); break;
+    default: EXL_LAUNCH(grid, block, 0, stream, trellis_gemv_kernel<8>)(T, x, M, z); break;
+  }
+}
+
+void launch_trellis_dequant(const TrellisDev& T, int64_t n0, int64_t n1, __half* out, cudaStream_t stream) {
+  const int64_t tiles = (n1 - n0) / kTile * (T.K / kTile);
+  if (tiles <= 0) return;
+  EXL_LAUNCH(dim3(unsigned(tiles)), dim3(kTileWeights), 0, stream, trellis_dequant_kernel)(T, n0 / kTile, out);
+}
+
+}  // namespace cuda
+}  // namespace exl

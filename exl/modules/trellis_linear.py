@@ -1,0 +1,68 @@
+"""`TrellisLinear`: a linear layer in the exl trellis-coded format (docs/format.md §7), run by the kernels.
+
+The module holds only the stored tensors (`trellis`, `tscale`, `tmeta`, `su`, `sv` and an optional
+`bias`) as buffers, never a decoded copy. `forward` (shared with QuantLinear, see KernelLinear) runs:
+
+- on the CPU, float32: the extension's TrellisLinearCPU: u = H (D_u x) with the scalar layers'
+  rotation kernels, then a decode-and-dot GEMV that decodes each 16x16 tile once for up to 16 rows
+  (fewer than `gemm_min_rows` rows; int8 activations unless `exact`), else tile decode into a
+  cache-sized block + BLAS GEMM, then y = D_v (H z) + bias. Each row's result is bit for bit the
+  same at any batch size below `gemm_min_rows` (the GEMV's per-row arithmetic does not depend on
+  the other rows);
+- on a GPU, float16: the CUDA extension's TrellisLinearCUDA (decode-and-dot GEMV up to 8 rows,
+  tile dequantization + cuBLAS above; tested under the host harness, not yet run on a GPU);
+- `exl.format.reference_forward` only when asked for (EXL_NO_EXT=1). An extension that cannot be
+  built raises cuda_ext.ExtensionBuildError; one without trellis kernels raises RuntimeError.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from exl import format as F
+from exl.modules.quant_linear import KernelLinear, _default_exact
+
+# CPU batch sizes from which tile decode + BLAS GEMM beats the decode-and-dot GEMV (docs/benchmarks.md):
+# the int8 GEMV costs more per extra row than the fp32 one (one vpdpbusd per row and column on port 0)
+GEMM_MIN_ROWS_INT8 = 17
+GEMM_MIN_ROWS_EXACT = 32
+
+
+class TrellisLinear(KernelLinear):
+    """y = W x + b with W stored trellis-coded.
+
+    Args:
+        tensors: the layer's tensors keyed by the format's names without prefix: `trellis`, `tscale`,
+            `tmeta`, `su`, `sv`, and optionally `bias`.
+        exact: CPU only. False (default; env EXL_CPU_EXACT=1 flips it): the GEMV multiplies int8
+            activations (per 32 channels, as QuantLinear's int8 path; about 0.5% RMS relative output
+            error) on the AVX-512 table, fp32 elsewhere; True: fp32 activations throughout.
+        gemm_min_rows: CPU only. From this many input rows on, use tile decode + BLAS GEMM (rows
+            below it take the batch-invariant GEMV). Default 17 (int8), 32 (exact).
+    """
+
+    REQUIRED = ("trellis", "tscale", "tmeta", "su", "sv")
+    OPTIONAL = ("bias",)
+
+    def __init__(self, tensors: dict[str, torch.Tensor], *, exact: bool | None = None, gemm_min_rows: int | None = None):
+        super().__init__(tensors)
+        self.meta = F.TrellisMeta.from_tensor(tensors["tmeta"])  # validates bits, state bits, code, version
+        n, k = self.out_features, self.in_features
+        words = tensors["trellis"]
+        if words.dtype != torch.int32 or words.shape != (n // F.TILE, k // F.TILE, self.meta.words_per_tile):
+            raise ValueError(f"TrellisLinear: trellis must be int32 [{n // F.TILE}, {k // F.TILE}, "
+                             f"{self.meta.words_per_tile}] for {self.meta.bits}-bit tiles, got "
+                             f"{words.dtype} {list(words.shape)}")
+        self.exact = _default_exact() if exact is None else exact
+        self.gemm_min_rows = gemm_min_rows or (GEMM_MIN_ROWS_EXACT if self.exact else GEMM_MIN_ROWS_INT8)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, trellis K={self.meta.bits} L={self.meta.state_bits}"
+
+    def _make_kernel(self, ext, device):
+        cls = "TrellisLinearCUDA" if device.type == "cuda" else "TrellisLinearCPU"
+        if not hasattr(ext, cls):
+            raise RuntimeError(f"TrellisLinear: the installed exl extension has no {cls} (it predates trellis layers); "
+                               "rebuild it (`EXL_BUILD_EXT=1 pip install .`, or remove the prebuilt cuda_ext/_exl_*.so)")
+        t = self.tensors()
+        return getattr(ext, cls)(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], t.get("bias"))

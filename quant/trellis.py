@@ -1,0 +1,168 @@
+"""Trellis encoding (docs/format.md §7): Viterbi search inside block LDLQ.
+
+A tile of 16×16 rotated weights is one circular walk of 256 states through the bitshift trellis;
+each state's computed code value times the row's scale stands for one weight. `encode_tiles` finds,
+per tile, the walk of least weighted squared error (the C++ Viterbi of cuda_ext/csrc/trellis_encode.cpp;
+`viterbi_reference` is its plain-NumPy reference). `ldlq` quantizes a matrix 16 input columns at a
+time (one tile column for all rows) and feeds each strip's error forward through the Cholesky factor
+of H⁻¹, as GPTQ does for scalar codes one column at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from exl import format as F
+from exl.format import TILE, TILE_WEIGHTS, TrellisMeta
+
+CODE_SIGMA = 147.8  # standard deviation of the code's values over all states (≈ √(4·(256²−1)/12))
+WINDOW = 0  # steps each side of the wrap point in the first (overlap-finding) pass; 0: 8·L/K
+
+
+@functools.lru_cache(maxsize=64)
+def codebook(meta: TrellisMeta) -> torch.Tensor:
+    """float32 [2^L]: the code value of every state (what the decoder computes)."""
+    return F.trellis_codebook(meta).to(torch.float32).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Viterbi
+
+
+def viterbi_reference(x: np.ndarray, c: np.ndarray, vals: np.ndarray, k: int, state_bits: int,
+                      overlap: int | None = None) -> tuple[np.ndarray, float]:
+    """The least Σ c_t (x_t − vals[s_t])² over walks s_0 … s_{T−1} of the trellis, in plain NumPy (float64).
+
+    overlap None: free start and end. Else s_0 & (2^(L−K) − 1) == overlap == s_{T−1} >> K (a circular walk).
+    Returns (states int64 [T], cost).
+    """
+    L, T = state_bits, len(x)
+    S, G = 2**L, 2 ** (L - k)
+    s_all = np.arange(S)
+    err = lambda t: c[t] * (x[t] - vals.astype(np.float64)) ** 2  # noqa: E731
+    cost = err(0)
+    if overlap is not None:
+        cost = np.where((s_all & (G - 1)) == overlap, cost, np.inf)
+    back = np.zeros((T, S), dtype=np.int64)
+    for t in range(1, T):
+        groups = cost.reshape(G, 2**k)  # group g: the predecessors (g << K) | c of every s' with s' & (G−1) == g
+        arg = groups.argmin(1)
+        best = groups[np.arange(G), arg]
+        g = s_all & (G - 1)
+        back[t] = (g << k) | arg[g]
+        cost = best[g] + err(t)
+    if overlap is not None:
+        cost = np.where((s_all >> k) == overlap, cost, np.inf)
+    s = int(cost.argmin())
+    total = float(cost[s])
+    path = np.zeros(T, dtype=np.int64)
+    path[-1] = s
+    for t in range(T - 1, 0, -1):
+        s = int(back[t, s])
+        path[t - 1] = s
+    return path, total
+
+
+def walk_cost(states: np.ndarray, x: np.ndarray, c: np.ndarray, vals: np.ndarray) -> float:
+    return float((c * (x - vals[states].astype(np.float64)) ** 2).sum())
+
+
+def _kernels():
+    from cuda_ext.build import load_cpu
+
+    return load_cpu()
+
+
+def encode_tiles(x: list[torch.Tensor], c: list[torch.Tensor], metas: list[TrellisMeta], window: int = WINDOW,
+                 overlaps: list[torch.Tensor] | None = None, isa: str = "auto") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per job i: the walks (int32 states [B_i, T]) and their weighted errors (float32 [B_i]) for the tiles
+    x[i] (targets in code units, [B_i, T]) with error weights c[i]; circular (tail-biting) walks.
+    All jobs run in one call so that every core has tiles to work on."""
+    from quant.gptq import all_threads
+
+    with all_threads():  # the quantizer runs small ops on one thread; the Viterbi splits tiles over all of them
+        return _kernels().trellis_viterbi([t.float().contiguous() for t in x], [t.float().contiguous() for t in c],
+                                          [codebook(m) for m in metas], [m.bits for m in metas],
+                                          [m.state_bits for m in metas], window,
+                                          None if overlaps is None else [o.int().contiguous() for o in overlaps], isa)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block LDLQ
+
+
+@dataclass
+class Result:
+    words: torch.Tensor  # int32 [N/16, K/16, 8·K_b]: the bit streams
+    scales: torch.Tensor  # float16 [N]
+    q: torch.Tensor  # float32 [N, K]: the quantized matrix (rotated coordinates)
+    row_err: torch.Tensor  # float32 [N]: rows of tr(ΔW H ΔWᵀ) (through the factor, as quant.gptq)
+
+
+# The scale that minimises the error on Gaussian data, as a multiple of rms(row) / CODE_SIGMA,
+# per bits per weight (measured at L=12 with bench/trellis_mse.py's trellis_mse; docs/quantization.md).
+SCALE_FACTOR = {1: 0.9, 2: 1.0, 3: 1.1, 4: 1.15, 5: 1.2, 6: 1.3, 7: 1.3, 8: 1.3}
+
+
+def row_scales(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """float16-exact per-row scales (as float32) for rows of W [N, K]."""
+    rms = w.float().pow(2).mean(1).sqrt()
+    return (rms * SCALE_FACTOR[bits] / CODE_SIGMA).clamp(2.0**-24, 65504.0).half().float()
+
+
+def _tiles(x: torch.Tensor) -> torch.Tensor:
+    """Strip [N, 16] -> tiles [N/16, 256] in the tile's column-major weight order."""
+    n = x.shape[0]
+    return x.reshape(n // TILE, TILE, TILE).transpose(1, 2).reshape(n // TILE, TILE_WEIGHTS)
+
+
+def _strip(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of _tiles."""
+    nt = t.shape[0]
+    return t.reshape(nt, TILE, TILE).transpose(1, 2).reshape(nt * TILE, TILE)
+
+
+@torch.no_grad()
+def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int = WINDOW) -> list[Result]:
+    """Quantize W [N, K] (rotated; N, K multiples of 16) once per meta, with error feedback through u
+    (upper Cholesky factor of H⁻¹, [K, K]; the identity gives plain per-tile Viterbi).
+
+    Strip j (columns 16j … 16j+15) is encoded jointly by Viterbi on targets already corrected for the
+    errors of the strips before it; its error E is fed forward as W[:, rest] −= E U_jj⁻¹ U_j,rest (block
+    LDLQ). Within a strip the columns are weighted by diag((U_jjᵀ U_jj)⁻¹), each row by its scale².
+    """
+    n, k = w.shape
+    if n % TILE or k % TILE:
+        raise ValueError(f"a trellis-coded matrix needs N and K multiples of {TILE}, got {n}x{k}")
+    u = u.to(w.device, torch.float32)
+    dev = w.device
+    works = [w.float().clone() for _ in metas]
+    scales = [row_scales(w, m.bits).to(dev) for m in metas]
+    qs = [torch.empty(n, k, dtype=torch.float32, device=dev) for _ in metas]
+    words = [torch.empty(n // TILE, k // TILE, m.words_per_tile, dtype=torch.int32) for m in metas]
+    loss = [torch.zeros(n, dtype=torch.float32, device=dev) for _ in metas]
+    vals = [codebook(m).to(dev) for m in metas]
+    for j in range(k // TILE):
+        b0, b1 = j * TILE, (j + 1) * TILE
+        ujj = u[b0:b1, b0:b1]
+        uinv = torch.linalg.solve_triangular(ujj, torch.eye(TILE, device=dev), upper=True)
+        colw = (uinv @ uinv.T).diagonal()  # diag((UᵀU)⁻¹): the weight of each column's squared error
+        xs, cs = [], []
+        for i in range(len(metas)):
+            s = scales[i]
+            xs.append(_tiles(works[i][:, b0:b1] / s[:, None]).cpu())
+            cs.append(_tiles((s * s)[:, None] * colw[None, :]).cpu())
+        out = encode_tiles(xs, cs, metas, window)
+        for i, (m, (states, _)) in enumerate(zip(metas, out)):
+            words[i][:, j] = F.trellis_pack(states, m)
+            q = _strip(vals[i][states.long().to(dev)]) * scales[i][:, None]
+            qs[i][:, b0:b1] = q
+            e = (works[i][:, b0:b1] - q) @ uinv  # [N, 16]: the strip's error through the factor
+            loss[i] += (e * e).sum(1)
+            if b1 < k:
+                works[i][:, b1:].addmm_(e, u[b0:b1, b1:], alpha=-1.0)
+    return [Result(wd, s.half(), q, le) for wd, s, q, le in zip(words, scales, qs, loss)]

@@ -1,0 +1,232 @@
+"""The one-call decode step (cuda_ext/csrc/cpu_step.cpp, CausalLM.decode_step) over the paged cache.
+
+Its logits are compared with the module-by-module path (the blocks' fused ops) and with the plain-PyTorch
+reference (exl.modules.fused.disabled()) on tiny random models of every family (tests/test_models.py
+builds them from transformers configs), float and with quantized layers, for one sequence and for several
+concurrent sequences of different lengths whose pages interleave; and on the real SmolLM2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import exl
+from cuda_ext import build
+from exl.cache.paged import PagedCache, PagedContext
+from exl.modules import fused
+from exl.modules.linear import Linear
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return build.load_cpu()  # fails (not skips) when the extension cannot be built
+
+
+def g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def close(got, want, tol):
+    scale = want.abs().max()
+    err = (got - want).abs().max()
+    assert err <= tol * scale, f"max abs diff {err:.3e} > {tol} x scale {scale:.3e}"
+
+
+# -- the paged attention op -------------------------------------------------------------------------------------------
+
+def reference_paged_attention(q, k, v, ks, vs, pages, lengths, ps, scale, window, softcap):
+    """Write each sequence's k, v at its last position, then attend over its kept positions (plain PyTorch)."""
+    ks, vs = ks.clone(), vs.clone()
+    hq, hk = q.shape[1], ks.shape[0]
+    out = torch.empty_like(q)
+    for b, n in enumerate(lengths.tolist()):
+        slots = torch.tensor([pages[b, p // ps] * ps + p % ps for p in range(n)])
+        ks[:, slots[-1]], vs[:, slots[-1]] = k[b], v[b]
+        lo = max(0, n - window) if window > 0 else 0
+        keys = ks[:, slots[lo:]].repeat_interleave(hq // hk, 0)  # [Hq, n, D]
+        values = vs[:, slots[lo:]].repeat_interleave(hq // hk, 0)
+        s = (keys @ q[b][:, :, None])[..., 0] * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        out[b] = (torch.softmax(s, -1)[:, None, :] @ values)[:, 0]
+    return out, ks, vs
+
+
+@pytest.mark.parametrize("d,hq,hk,window,softcap", [(64, 4, 2, 0, 0.0), (16, 6, 3, 5, 0.0), (128, 2, 2, 0, 20.0),
+                                                    (24, 8, 2, 9, 0.0)])
+def test_paged_step_attention_matches_reference(ext, d, hq, hk, window, softcap):
+    ps, n_pages = 4, 16
+    lengths = torch.tensor([1, 7, 13, 4])
+    pages = torch.randperm(n_pages, generator=g(1)).view(4, 4)  # interleaved, out of order
+    ks = torch.randn(hk, n_pages * ps, d, generator=g(2))
+    vs = torch.randn(hk, n_pages * ps, d, generator=g(3))
+    q, k, v = (torch.randn(4, h, d, generator=g(4 + i)) for i, h in enumerate((hq, hk, hk)))
+    want, want_k, want_v = reference_paged_attention(q, k, v, ks, vs, pages, lengths, ps, 0.3, window, softcap)
+    got = ext.paged_step_attention(q, k, v, ks, vs, pages, lengths, ps, 0.3, window, softcap)
+    close(got, want, 3e-6)
+    assert torch.equal(ks, want_k) and torch.equal(vs, want_v)  # the new keys and values, in their slots
+
+
+def test_paged_step_attention_rejects_bad_tables(ext):
+    ks = torch.zeros(2, 16, 8)
+    q, k = torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.paged_step_attention(q, k, k, ks, ks.clone(), torch.tensor([[9]]), torch.tensor([3]), 4, 1.0)
+    with pytest.raises(RuntimeError, match="length 5"):
+        ext.paged_step_attention(q, k, k, ks, ks.clone(), torch.tensor([[0]]), torch.tensor([5]), 4, 1.0)
+
+
+# -- whole models -------------------------------------------------------------------------------------------------------
+
+FAMILIES = ["llama", "llama-tied-bias", "llama-rope-dynamic", "mistral-window", "qwen2-window", "qwen3", "gemma3",
+            "gemma3-pattern", "mixtral", "qwen3-moe", "qwen2-moe-shared"]
+
+
+def quantize_randomly(model):
+    """Swap every dense linear of the blocks that the format can hold (inputs in groups of 32) for a random
+    4-bit QuantLinear (act-order, both rotations); the others stay dense (a mixed model)."""
+    from test_kernels import random_layer
+
+    from exl.format import Segment
+    from exl.modules.quant_linear import QuantLinear
+
+    seed = 0
+    for block in model.layers:
+        for parent in list(block.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is Linear and child.in_features % 32 == 0 and child.out_features >= 8:
+                    n, k = child.weight.shape
+                    setattr(parent, name, QuantLinear(random_layer(n, [Segment(k, 4, 32)], bias=False, seed=seed)))
+                    seed += 1
+    model._step = None
+    return model
+
+
+def spy_step(model) -> list:
+    """Record, per forward pass, whether the one-call step ran."""
+    ran, original = [], model.decode_step
+
+    def spy(h, ctx):
+        out = original(h, ctx)
+        ran.append(out is not None)
+        return out
+
+    model.decode_step = spy
+    return ran
+
+
+def decode_logits(model, prompts, steps: int, page_size: int = 4) -> torch.Tensor:
+    """Prefill the prompts together, then decode `steps` given tokens for each: logits [steps, sequences, vocab]."""
+    cache = PagedCache(model, num_pages=48, page_size=page_size)
+    tables = [cache.open(p, len(p) + steps) for p in prompts]
+    # interleave the pages of the sequences: grow them a page at a time, in turn
+    for t, p in zip(tables, prompts):
+        cache.extend(t, len(p))
+    ctx = PagedContext(cache, [(t, len(p)) for t, p in zip(tables, prompts)])
+    model(torch.tensor([[i for p in prompts for i in p]]), ctx=ctx)
+    for t, p in zip(tables, prompts):
+        cache.commit(t, p)
+    tokens = torch.randint(0, model.config.vocab_size, (steps, len(prompts)), generator=g(9))
+    out = []
+    for row in tokens:
+        for t in tables:
+            cache.extend(t, 1)
+        ctx = PagedContext(cache, [(t, 1) for t in tables])
+        out.append(model(row[None], ctx=ctx)[0])
+        for t, tok in zip(tables, row.tolist()):
+            cache.commit(t, [tok], share=False)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "quant"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_decode_step_matches_module_path(tmp_path, ext, name, quantized):
+    from test_models import BASE, make_model
+
+    _, path = make_model(tmp_path, name)
+    model = exl.load_model(path, progress=False)
+    if quantized:
+        quantize_randomly(model)
+    ids = torch.randint(0, BASE["vocab_size"], (40,), generator=g(5)).tolist()
+    for prompts in ([ids[:6]], [ids[:6], ids[6:17], ids[17:19]]):  # one sequence; three of different lengths
+        ran = spy_step(model)
+        got = decode_logits(model, prompts, steps=7)
+        assert ran == [False] + [True] * 7  # the prefill ran block by block, every decode step in one call
+        del model.decode_step
+        model._step = False  # block by block on the fused ops
+        fused_path = decode_logits(model, prompts, steps=7)
+        model._step = None
+        assert torch.equal(got, fused_path)  # the same kernels and ops in the same order
+        if quantized:  # int8 activations round differently on the reference's inputs: compare in fp32
+            set_exact(model, True)
+            got = decode_logits(model, prompts, steps=7)
+        with fused.disabled():  # the plain-PyTorch reference
+            reference = decode_logits(model, prompts, steps=7)
+        close(got, reference, 1e-4)
+        set_exact(model, False)
+
+
+def set_exact(model, exact: bool):
+    from exl.modules.quant_linear import QuantLinear
+
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.exact = exact
+            m.gemm_min_rows = 8 if exact else 17
+    model._step = None
+
+
+def test_decode_step_steps_aside(tmp_path, ext):
+    """Hooks, prompt chunks and drafts run block by block; a quantized KV cache is not the step's."""
+    from test_models import make_model
+
+    _, path = make_model(tmp_path, "llama")
+    model = exl.load_model(path, progress=False)
+    seen = []
+    handle = model.layers[1].mlp.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    ran = spy_step(model)
+    decode_logits(model, [[1, 2, 3]], steps=2)
+    assert ran == [False, False, False] and len(seen) == 3
+    handle.remove()
+    ran.clear()
+    decode_logits(model, [[1, 2, 3]], steps=2)
+    assert ran == [False, True, True]
+    cache = PagedCache(model, num_pages=8, page_size=4, k_bits=8, v_bits=8)
+    t = cache.open([1, 2], 8)
+    cache.extend(t, 2)
+    ran.clear()
+    model(torch.tensor([[1, 2]]), ctx=PagedContext(cache, [(t, 2)]))
+    cache.commit(t, [1, 2])
+    cache.extend(t, 1)
+    model(torch.tensor([[3]]), ctx=PagedContext(cache, [(t, 1)]))
+    assert ran == [False, False]
+
+
+def test_decode_step_on_smollm2(smollm_dir, ext):
+    """The real SmolLM2-135M: the one-call step gives the module path's logits for three concurrent sequences."""
+    model = exl.load_model(smollm_dir, progress=False)
+    prompts = [list(range(100, 113)), list(range(300, 305)), list(range(700, 740))]
+    ran = spy_step(model)
+    got = decode_logits(model, prompts, steps=4, page_size=16)
+    assert ran[1:] == [True] * 4
+    del model.decode_step
+    model._step = False
+    want = decode_logits(model, prompts, steps=4, page_size=16)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["default", "yarn", "llama3"])
+def test_rope_rows_from_the_table_equal_the_computed_ones(kind):
+    """Decode steps take cos/sin rows from a cached table (grown on demand): the same values as computing them."""
+    from exl.config import RopeConfig
+    from exl.modules.rope import RotaryEmbedding
+
+    cfg = RopeConfig(type=kind, factor=4.0, original_max_position_embeddings=16) if kind != "default" else RopeConfig()
+    rope = RotaryEmbedding(cfg, 64, 4096)
+    for pos in ([[0, 5, 1023]], [[1024, 3000, 4095]]):  # the second grows the table
+        pos = torch.tensor(pos)
+        got = rope.cos_sin(pos, torch.float32)
+        want = RotaryEmbedding(cfg, 64, 4096).cos_sin(torch.cat([pos, torch.zeros(1, 70, dtype=torch.long)], 1),
+                                                      torch.float32)  # 73 positions: computed
+        assert torch.equal(got[0], want[0][:, :3]) and torch.equal(got[1], want[1][:, :3])

@@ -1,0 +1,147 @@
+"""The trellis encoder (quant/trellis.py, cuda_ext/csrc/trellis_encode.cpp) against plain references."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from exl import format as F
+from exl.format import TrellisMeta
+from quant import trellis as T
+
+
+def _kernels():
+    return T._kernels()
+
+
+def _walks(T_, k, L, s0_list=None):
+    """Every walk of T_ steps (states) from every start state."""
+    for s0 in s0_list if s0_list is not None else range(2**L):
+        for news in itertools.product(range(2**k), repeat=T_ - 1):
+            s, st = s0, [s0]
+            for nb in news:
+                s = (s >> k) | (nb << (L - k))
+                st.append(s)
+            yield np.array(st)
+
+
+def _cpp(x, c, vals, k, L, isa, window=-1, overlap=None):
+    out = _kernels().trellis_viterbi([torch.tensor(x)[None]], [torch.tensor(c)[None]], [torch.tensor(vals)], [k], [L],
+                                     window, None if overlap is None else [torch.tensor([overlap], dtype=torch.int32)],
+                                     isa)
+    return out[0][0][0].numpy(), float(out[0][1][0])
+
+
+@pytest.mark.parametrize("k,L,steps", [(1, 3, 8), (2, 4, 5), (1, 4, 6), (2, 6, 4), (3, 5, 4)])
+def test_viterbi_finds_the_brute_force_optimum(k, L, steps):
+    rng = np.random.default_rng(k * 100 + L)
+    vals = (rng.normal(size=2**L) * 3).astype(np.float32)
+    x = (rng.normal(size=steps) * 3).astype(np.float32)
+    c = rng.uniform(0.5, 2, size=steps).astype(np.float32)
+    free = min(T.walk_cost(w, x, c, vals) for w in _walks(steps, k, L))
+    path, ref = T.viterbi_reference(x, c, vals, k, L)
+    assert ref == pytest.approx(free, rel=1e-9)
+    assert T.walk_cost(path, x, c, vals) == pytest.approx(free, rel=1e-9)
+    o = 1  # a fixed overlap: s_0 & (2^(L-K) - 1) == o == s_{T-1} >> K
+    circ = min(T.walk_cost(w, x, c, vals) for w in _walks(steps, k, L)
+               if (w[0] & (2 ** (L - k) - 1)) == o and (w[-1] >> k) == o)
+    _, ref_c = T.viterbi_reference(x, c, vals, k, L, overlap=o)
+    assert ref_c == pytest.approx(circ, rel=1e-9)
+    for isa in _kernels().trellis_encoder_isas():
+        st, cost = _cpp(x, c, vals, k, L, isa)
+        assert T.walk_cost(st, x, c, vals) == pytest.approx(free, rel=1e-5), isa
+        assert cost == pytest.approx(free, rel=1e-5), isa
+        st, cost = _cpp(x, c, vals, k, L, isa, overlap=o)
+        assert st[0] & (2 ** (L - k) - 1) == o and st[-1] >> k == o
+        assert T.walk_cost(st, x, c, vals) == pytest.approx(circ, rel=1e-5), isa
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_tail_biting_walks_are_valid_and_near_the_exact_circular_optimum(k):
+    meta = TrellisMeta(k, 8)
+    vals = T.codebook(meta).numpy()
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(20, 256, generator=g) * T.CODE_SIGMA
+    c = torch.rand(20, 256, generator=g) + 0.5
+    for isa in _kernels().trellis_encoder_isas():
+        states, cost = T.encode_tiles([x], [c], [meta], isa=isa)[0]
+        F.trellis_pack(states, meta)  # raises unless every walk is circular and consistent
+        for b in range(3):
+            got = T.walk_cost(states[b].numpy(), x[b].numpy(), c[b].numpy(), vals)
+            assert float(cost[b]) == pytest.approx(got, rel=1e-4)
+            exact = min(T.viterbi_reference(x[b].numpy(), c[b].numpy(), vals, k, 8, overlap=o)[1]
+                        for o in range(2 ** (8 - k)))
+            assert exact <= got * (1 + 1e-6) and got <= exact * 1.02, (isa, b, got, exact)
+
+
+def test_isas_agree_on_real_sizes():
+    meta = TrellisMeta(3, 10)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(3)) * T.CODE_SIGMA
+    c = torch.ones_like(x)
+    costs = [T.encode_tiles([x], [c], [meta], isa=isa)[0][1] for isa in _kernels().trellis_encoder_isas()]
+    for other in costs[1:]:
+        torch.testing.assert_close(other, costs[0], rtol=1e-4, atol=0)
+
+
+def _hessian(k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4 * k, k, generator=g, dtype=torch.float64) @ (torch.eye(k, dtype=torch.float64)
+                                                                     + 0.3 * torch.randn(k, k, generator=g, dtype=torch.float64))
+    return x.T @ x
+
+
+def test_ldlq_feedback_lowers_the_hessian_error_and_reports_it_exactly():
+    from quant.gptq import inverse_cholesky
+
+    n, k = 32, 64
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
+    h = _hessian(k)
+    u, damp = inverse_cholesky(h, 0.01)
+    hd = h + damp * h.diagonal().mean() * torch.eye(k, dtype=torch.float64)
+    meta = TrellisMeta(2, 10)
+    fed, = T.ldlq(w, u, [meta])
+    plain, = T.ldlq(w, torch.eye(k), [meta])
+
+    def energy(q):
+        d = (q - w).double()
+        return float(((d @ hd) * d).sum())
+
+    assert float(fed.row_err.sum()) == pytest.approx(energy(fed.q), rel=1e-3)
+    assert energy(fed.q) < 0.8 * energy(plain.q)
+    # the stored streams and scales decode to the same matrix
+    t = {"trellis": fed.words, "tscale": fed.scales, "tmeta": meta.to_tensor()}
+    torch.testing.assert_close(F.trellis_decode(t), fed.q, rtol=1e-6, atol=1e-6)
+
+
+def test_ldlq_several_settings_at_once_equal_one_at_a_time():
+    w = torch.randn(16, 32, generator=torch.Generator().manual_seed(2))
+    u = torch.eye(32)
+    metas = [TrellisMeta(2, 9), TrellisMeta(4, 9)]
+    both = T.ldlq(w, u, metas)
+    for m, r in zip(metas, both):
+        one, = T.ldlq(w, u, [m])
+        assert torch.equal(one.words, r.words)
+
+
+def test_viterbi_uses_the_threads_one_thread_replaced(monkeypatch):
+    from quant.gptq import one_thread
+
+    seen = []
+    real = T._kernels()
+
+    class Spy:
+        def trellis_viterbi(self, *a):
+            seen.append(torch.get_num_threads())
+            return real.trellis_viterbi(*a)
+
+    monkeypatch.setattr(T, "_kernels", lambda: Spy())
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with one_thread(torch.device("cpu")):
+            T.ldlq(torch.randn(16, 32), torch.eye(32), [TrellisMeta(2, 8)])
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(n)
+    assert seen == [2, 2]

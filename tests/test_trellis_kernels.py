@@ -1,0 +1,213 @@
+"""CPU trellis kernels (cuda_ext TrellisLinearCPU) and TrellisLinear against exl.format's reference (§7).
+
+Random int32 words are always a valid trellis layer (every bit stream is a walk), so layers here are
+random words, random fp16 scales and random signs. The decoded code values are exact integers and
+must match bit for bit; outputs may differ from the fp64 result only by float summation error,
+bounded as in test_kernels.py: |y - y_exact| <= 4 u (sqrt(K) + 8) c, c = |u| @ |Q|^T through |H_N|.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cuda_ext import build
+from exl import format as F
+from exl.modules.trellis_linear import TrellisLinear
+
+U = 2.0**-24
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return build.load_cpu()  # fails (not skips) when the extension cannot be built
+
+
+def isas():
+    return build.load_cpu().isa_names()
+
+
+def random_trellis(n, k, bits, state_bits=16, *, bias=True, seed=0, mul=None, add=None):
+    g = torch.Generator().manual_seed(seed)
+    kw = {} if mul is None else {"mul": mul, "add": add}
+    meta = F.TrellisMeta(bits, state_bits, **kw)
+    words = torch.randint(-(2**31), 2**31, (n // 16, k // 16, meta.words_per_tile), generator=g, dtype=torch.int64)
+    t = {"trellis": words.to(torch.int32), "tscale": (torch.rand(n, generator=g) * 1e-3 + 1e-4).half(),
+         "tmeta": meta.to_tensor(), "su": F.pack_signs(torch.where(torch.rand(k, generator=g) < 0.5, -1, 1)),
+         "sv": F.pack_signs(torch.where(torch.rand(n, generator=g) < 0.5, -1, 1))}
+    if bias:
+        t["bias"] = torch.randn(n, generator=g)
+    return t
+
+
+def kernel(ext, t, isa="auto"):
+    return ext.TrellisLinearCPU(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], t.get("bias"), isa)
+
+
+def reference_values(t):
+    meta = F.TrellisMeta.from_tensor(t["tmeta"])
+    return F.trellis_tiles_to_matrix(F.trellis_code(F.trellis_states(t["trellis"], meta), meta))
+
+
+def exact_and_scale(x, t):
+    """fp64 result and the error scale c (module doc)."""
+    q = F.trellis_decode(t, torch.float64)
+    n, k = q.shape
+    u = F.fwht(x.double() * F.unpack_signs(t["su"], k, torch.float64))
+    z, c = u @ q.T, u.abs() @ q.abs().T
+    h = F.hadamard_matrix(n).abs()
+    y = F.fwht(z) * F.unpack_signs(t["sv"], n, torch.float64) + t.get("bias", torch.zeros(n)).double()
+    return y, c @ h.T
+
+
+def check(y, x, t):
+    exact, c = exact_and_scale(x, t)
+    k = t["trellis"].shape[1] * 16
+    bound = 4 * U * (math.sqrt(k) + 8) * c + 1e-30
+    err = (y.double() - exact).abs()
+    assert bool((err <= bound).all()), f"max err {float(err.max()):.3e}, ratio to bound {float((err / bound).max()):.2f}"
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_decode_is_exact_for_every_k_l_and_isa(ext, bits):
+    for L in sorted({max(8, bits), 11, 16}):
+        t = random_trellis(48, 64, bits, L, seed=bits * 31 + L, mul=0x9E3779B1, add=0x7F4A7C15)
+        ref = reference_values(t)
+        for isa in isas():
+            got = kernel(ext, t, isa).decode()
+            assert torch.equal(got, ref.float()), f"K={bits} L={L} isa={isa}"
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_forward_matches_reference_for_rows_and_prefill(ext, bits):
+    t = random_trellis(64, 96, bits, 16 if bits % 2 else max(8, bits), seed=bits)
+    g = torch.Generator().manual_seed(100 + bits)
+    for isa in isas():
+        k = kernel(ext, t, isa)
+        for rows in (1, 2, 3, 5, 9, 16):
+            x = torch.randn(rows, 96, generator=g)
+            check(k.forward(x, "fp32", 32, False), x, t)
+        x = torch.randn(40, 96, generator=g)
+        check(k.forward(x, "auto", 32, False), x, t)  # 40 >= 32 rows: tile decode + GEMM
+        check(k.forward(x[:7], "gemm", 32, False), x[:7], t)
+        check(k.forward(x[:20], "fp32", 32, False), x[:20], t)  # more than 16 rows through the GEMV
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_batch_invariance_every_row_count_below_gemm_min_rows(ext, exact):
+    t = random_trellis(96, 160, 3, 16, seed=7)
+    x = torch.randn(31, 160, generator=torch.Generator().manual_seed(3))
+    for isa in isas():
+        k = kernel(ext, t, isa)
+        full = k.forward(x, "auto", 32, exact)
+        for rows in range(1, 31):
+            part = k.forward(x[:rows], "auto", 32, exact)
+            assert torch.equal(part, full[:rows]), f"isa={isa}: {rows} rows differ from the same rows among 31"
+        # and a row's bits do not depend on its neighbours
+        assert torch.equal(k.forward(x[5:6], "auto", 32, exact), full[5:6])
+
+
+def test_isas_agree_and_threads_do_not_change_bits(ext):
+    t = random_trellis(128, 256, 4, 14, seed=11)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
+    outs = {isa: kernel(ext, t, isa).forward(x, "fp32", 32, False) for isa in isas()}
+    best = outs[isas()[-1]]
+    for isa, y in outs.items():
+        check(y, x, t)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(ext, t).forward(x, "fp32", 32, False)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, best)
+
+
+def test_bad_tensors_are_named(ext):
+    t = random_trellis(32, 32, 2)
+    with pytest.raises(RuntimeError, match="words per tile"):
+        ext.TrellisLinearCPU(t["trellis"][..., :8], t["tscale"], t["tmeta"], t["su"], t["sv"])
+    with pytest.raises(RuntimeError, match="tscale must be float16"):
+        ext.TrellisLinearCPU(t["trellis"], t["tscale"].float(), t["tmeta"], t["su"], t["sv"])
+    with pytest.raises(RuntimeError, match="sv must be uint8"):
+        ext.TrellisLinearCPU(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["su"][:1])
+    k = kernel(ext, t)
+    with pytest.raises(RuntimeError, match="in_features=32"):
+        k.forward(torch.randn(2, 48), "auto", 32, False)
+    with pytest.raises(RuntimeError, match="unknown path"):
+        k.forward(torch.randn(2, 32), "q4", 32, False)
+    t = random_trellis(32, 48, 2)
+    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+        kernel(ext, t).forward(torch.randn(2, 48), "int8", 32, False)
+
+
+def int8_check(y, x, t):
+    """The int8-activation GEMV: within the activation-rounding bound of test_kernels.py plus the fp32 one."""
+    exact, c = exact_and_scale(x, t)
+    q = F.trellis_decode(t, torch.float64)
+    n, k = q.shape
+    u = F.fwht(x.double() * F.unpack_signs(t["su"], k, torch.float64))
+    step = (u.view(u.shape[0], k // 32, 32).abs().amax(-1) / 127).repeat_interleave(32, dim=1)
+    e = ((0.5 * 1.001 * step) @ q.abs().T) @ F.hadamard_matrix(n).abs().T
+    bound = e + 4 * U * (math.sqrt(k) + 8) * c + 1e-30
+    err = (y.double() - exact).abs()
+    assert bool((err <= bound).all()), f"max err {float(err.max()):.3e}, ratio to bound {float((err / bound).max()):.2f}"
+    rel = float((y.double() - exact).norm() / exact.norm())
+    assert rel < 0.02, f"relative RMS error {rel:.4f} of the int8 path"
+
+
+@pytest.mark.parametrize("bits", [1, 3, 4, 8])
+def test_int8_gemv_is_within_its_bound_and_the_same_bits_on_every_table(ext, bits):
+    t = random_trellis(64, 128, bits, 16 if bits == 3 else 12, seed=40 + bits, bias=False)
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(bits))
+    with_int8 = [isa for isa in isas() if kernel(ext, t, isa).has_int8]
+    assert "scalar" in with_int8
+    outs = {}
+    for isa in with_int8:
+        k = kernel(ext, t, isa)
+        full = k.forward(x, "int8", 48, False)
+        int8_check(full, x, t)
+        for rows in (1, 2, 3, 7, 9):
+            assert torch.equal(k.forward(x[:rows], "int8", 48, False), full[:rows]), f"{isa}: {rows} rows"
+        outs[isa] = full
+    for isa, y in outs.items():
+        assert torch.equal(y, outs["scalar"]), f"int8 GEMV of {isa} differs from the scalar table's"
+    assert torch.equal(kernel(ext, t).forward(x[:3], "auto", 48, False),
+                       kernel(ext, t).forward(x[:3], "int8" if kernel(ext, t).has_int8 else "fp32", 48, False))
+
+
+def test_module_forward_equals_reference(ext):
+    t = random_trellis(80, 112, 3, 12, seed=5)
+    m = TrellisLinear(t, exact=True)
+    assert m.kernel() is not None and m.in_features == 112 and m.out_features == 80
+    assert abs(m.bits_per_weight - F.bits_per_weight(t)) < 1e-12
+    for shape in ((1, 1, 112), (2, 3, 112), (50, 112)):
+        x = torch.randn(*shape)
+        y = m(x)
+        assert y.shape == (*shape[:-1], 80)
+        check(y.reshape(-1, 80), x.reshape(-1, 112), t)
+    ref = F.reference_forward(x, t)
+    assert torch.allclose(m(x), ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
+    # no dense copy: the module holds exactly the stored tensors
+    assert {n for n, _ in m.named_buffers()} == set(t)
+
+
+def test_module_reference_path_when_asked(monkeypatch):
+    import cuda_ext
+
+    t = random_trellis(32, 48, 2, 9, seed=2)
+    monkeypatch.setattr(cuda_ext, "_cache", {})
+    monkeypatch.setenv("EXL_NO_EXT", "1")
+    m = TrellisLinear(t, exact=True)
+    x = torch.randn(3, 48)
+    assert m.kernel() is None
+    assert torch.equal(m(x), F.reference_forward(x, t))
+
+
+def test_module_rejects_bad_words():
+    t = random_trellis(32, 48, 2)
+    t["trellis"] = t["trellis"][..., :4]
+    with pytest.raises(ValueError, match=r"trellis must be int32 \[2, 3, 16\]"):
+        TrellisLinear(t)

@@ -1,0 +1,60 @@
+"""A tiny model whose decoder layers are trellis-coded loads and runs in exl, and computes what the
+dense matrices its layers decode to (exl.format.dequantize) compute in transformers."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+import exl
+from exl import format as F
+from exl.cache.contiguous import KVCache
+from exl.modules.trellis_linear import TrellisLinear
+from test_models import BASE, check_close, make_model
+
+_spec = importlib.util.spec_from_file_location("trellis_model", Path(__file__).parent.parent / "bench" / "trellis_model.py")
+trellis_model = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(trellis_model)
+
+
+def test_tiny_trellis_model_loads_runs_and_matches_its_decoded_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("EXL_CPU_EXACT", "1")  # fp32 activations: only float summation separates the two
+    ref, src = make_model(tmp_path, "llama")
+    dst = tmp_path / "trellis"
+    bpw = trellis_model.trellis_copy(src, dst, bits=3, state_bits=12)
+    assert 3.0 < bpw < 3.5
+    model = exl.load_model(dst, progress=False)
+    layers = [m for m in model.modules() if isinstance(m, TrellisLinear)]
+    assert len(layers) == 7 * BASE["num_hidden_layers"]
+    # the reference: the same transformers model with every decoder linear set to its decoded matrix
+    sd, stored = ref.state_dict(), load_file(dst / "model.safetensors")
+    prefixes = [n[: -len(".trellis")] for n in stored if n.endswith(".trellis")]
+    assert len(prefixes) == len(layers)
+    with torch.no_grad():
+        for p in prefixes:
+            t = {s: stored[f"{p}.{s}"] for s in F.TRELLIS_SUFFIXES}
+            sd[f"{p}.weight"].copy_(F.dequantize(t, torch.float32))
+    ids = torch.randint(0, BASE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(ids).logits.float()
+    check_close(model(ids), want)
+    # one token at a time equals the full forward
+    one = ids[:1]
+    full = model(one)
+    cache = KVCache(model.config, batch=1, max_len=32)
+    parts = [model(one[:, :9], cache=cache)] + [model(one[:, t:t + 1], cache=cache) for t in range(9, 24)]
+    check_close(torch.cat(parts, dim=1), full, 1e-5)
+    # decode over the paged cache: the one-call step (cpu_step.cpp) runs the trellis layers, and gives the same
+    # bits as the module path
+    from test_decode_step import decode_logits, spy_step
+
+    prompts = [ids[0, :9].tolist(), ids[1, :5].tolist()]
+    ran = spy_step(model)
+    got = decode_logits(model, prompts, steps=5)
+    assert ran == [False] + [True] * 5, "the one-call decode step should take trellis layers"
+    del model.decode_step
+    model._step = False  # block by block
+    assert torch.equal(got, decode_logits(model, prompts, steps=5))
