@@ -12,7 +12,7 @@ import sys
 from exl.errors import ExlError
 
 COMMANDS = {
-    "import-gguf": ("exl.gguf_import", "convert a llama-architecture GGUF file into a Hugging Face folder"),
+    "import-gguf": ("exl.gguf_import", "convert a llama or gemma3 GGUF file into a Hugging Face folder"),
     "generate": ("exl.commands.generate", "complete a prompt"),
     "chat": ("exl.commands.chat", "chat interactively with a model"),
     "eval": ("exl.commands.eval", "evaluate perplexity and KL-divergence"),

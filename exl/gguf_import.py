@@ -1,10 +1,12 @@
-"""Import a llama-architecture GGUF file (llama.cpp's format) as a Hugging Face model folder.
+"""Import a llama- or gemma3-architecture GGUF file (llama.cpp's format) as a Hugging Face model folder.
 
     from exl.gguf_import import import_gguf
     import_gguf("model.Q4_1.gguf", "model-hf")        # config.json, model.safetensors, tokenizer.json, ...
 
 Quantized tensors are dequantized with the `gguf` package; llama.cpp's interleaved q/k row order is
-undone so the folder loads in `transformers` (and in exl) like the original checkpoint. The folder is
+undone (llama only: llama.cpp keeps Gemma's order), and Gemma's RMSNorm weights, which llama.cpp stores
+with the +1 applied, get it taken off again, so the folder loads in `transformers` (and in exl) like
+the original checkpoint. The folder is
 written next to its destination under a temporary name and renamed at the end, so it is never half there.
 
 CLI: `exl import-gguf FILE.gguf -o DIR [--dtype float32|float16|bfloat16] [--force]`
@@ -46,6 +48,15 @@ LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+GEMMA3_LAYER_NAMES = {
+    **{k: v for k, v in LAYER_NAMES.items() if not k.endswith(".bias")},
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+ARCHITECTURES = ("llama", "gemma3")
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -79,12 +90,13 @@ def _f32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _require_llama(path, meta):
+def _require_supported(path, meta) -> str:
     arch = meta.get("general.architecture")
-    if arch != "llama":
+    if arch not in ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{path}: architecture {arch!r} is not supported; exl imports llama-architecture GGUF files only"
+            f"{path}: architecture {arch!r} is not supported; exl imports {' and '.join(ARCHITECTURES)} GGUF files"
         )
+    return arch
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -172,20 +184,88 @@ def build_config(path, meta: dict, tensors: dict, dtype: torch.dtype) -> dict:
     return config
 
 
+GEMMA3_SLIDING_PATTERN = 6  # Gemma 3: five sliding-window layers, then one global layer
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # rope base of the sliding-window layers (not stored in GGUF)
+
+
+def build_gemma3_config(path, meta: dict, tensors: dict, dtype: torch.dtype) -> dict:
+    """config.json for Gemma3ForCausalLM (text) from GGUF metadata.
+
+    llama.cpp does not store the layer pattern, the local rope base nor query_pre_attn_scalar: it hard-codes
+    Gemma 3's values (every 6th layer global, local base 10000, scale 1/sqrt(head_dim)), and so do we.
+    """
+    def get(key, default=None):
+        value = meta.get(f"gemma3.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: metadata key 'gemma3.{key}' is missing; the file is not a complete gemma3 GGUF")
+        return value
+
+    layers = int(get("block_count"))
+    heads = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length"))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise UnsupportedModelError(f"{path}: gemma3 with key_length != value_length is not supported")
+    if meta.get("gemma3.rope.scaling.type") not in (None, "none"):
+        raise UnsupportedModelError(f"{path}: rope scaling {meta['gemma3.rope.scaling.type']!r} on gemma3 is not supported")
+    vocab = len(meta.get("tokenizer.ggml.tokens", [])) or tensors["token_embd.weight"].shape[0]
+    config = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": int(get("embedding_length")),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(get("context_length")),
+        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(get("rope.freq_base", 1000000.0)),
+        "rope_local_base_freq": GEMMA3_LOCAL_ROPE_THETA,
+        "rope_scaling": None,
+        "sliding_window": int(get("attention.sliding_window")),
+        "sliding_window_pattern": GEMMA3_SLIDING_PATTERN,
+        "layer_types": ["full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
+                        for i in range(layers)],
+        "query_pre_attn_scalar": head_dim,
+        "final_logit_softcapping": meta.get("gemma3.final_logit_softcapping"),
+        "attn_logit_softcapping": None,
+        "vocab_size": int(vocab),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attention_bias": False,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    for name in ("bos", "eos", "padding"):
+        if f"tokenizer.ggml.{name}_token_id" in meta:
+            config[f"{name.replace('padding', 'pad')}_token_id"] = int(meta[f"tokenizer.ggml.{name}_token_id"])
+    return config
+
+
+def stop_token_ids(meta: dict) -> list[int]:
+    """EOS ids for generation: the GGUF's eos and eot, plus Gemma's chat turn end `<end_of_turn>`."""
+    tokens = list(meta.get("tokenizer.ggml.tokens", []))
+    ids = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
+    ids += [i for i, t in enumerate(tokens[:1024]) if t == "<end_of_turn>"]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # tensors
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The HF name of a GGUF tensor; None for tensors HF does not store (rope_freqs)."""
+    layer_names = GEMMA3_LAYER_NAMES if arch == "gemma3" else LAYER_NAMES
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     if gguf_name == "rope_freqs.weight":
         return None
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-    if m and m.group(2) in LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}"
-    raise UnsupportedModelError(f"tensor {gguf_name!r} is not part of a llama model")
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
+    raise UnsupportedModelError(f"tensor {gguf_name!r} is not part of a {arch} model")
 
 
 def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -207,6 +287,8 @@ def read_tensor(t: GGUFTensor, config: dict) -> torch.Tensor:
     except NotImplementedError as e:
         raise UnsupportedModelError(f"tensor {t.name!r} has type {t.type.name}, which cannot be dequantized: {e}")
     w = torch.from_numpy(np.array(values))  # a writable copy
+    if config["model_type"] == "gemma3_text":  # q/k rows kept in HF order; norms stored as 1 + w
+        return w - 1.0 if t.name.endswith("norm.weight") else w
     if t.name.startswith("blk.") and ".attn_q." in t.name:
         w = unpermute_rows(w, config["num_attention_heads"])
     elif t.name.startswith("blk.") and ".attn_k." in t.name:
@@ -235,8 +317,9 @@ def write_weights(tensors: dict[str, GGUFTensor], config: dict, out: Path, dtype
 
     itemsize = torch.empty(0, dtype=dtype).element_size()
     by_hf = {}
+    arch = "gemma3" if config["model_type"] == "gemma3_text" else "llama"
     for t in tensors.values():
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is not None:
             by_hf[name] = t
     shards = plan_shards([(n, int(t.n_elements) * itemsize) for n, t in by_hf.items()], shard_size)
@@ -275,14 +358,59 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
+def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges of a SentencePiece-BPE vocabulary (GGUF stores only pieces and scores).
+
+    SentencePiece merges the pair whose joined piece scores highest; as ordered merges that is every split
+    (left, right) of every normal piece into two pieces of the vocabulary, ranked by the joined piece's score.
+    """
+    ids = {t: i for i, t in enumerate(tokens) if types[i] == TOKEN_NORMAL}
+    ranked = []
+    for piece, i in ids.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in ids and right in ids:
+                ranked.append((-scores[i], i, ids[left], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def build_spm_tokenizer(path, meta: dict):
+    """A `tokenizers.Tokenizer` for a SentencePiece-BPE vocabulary with byte fallback (`tokenizer.ggml.model == "llama"`,
+    as Gemma's): spaces become "▁", no prefix space unless `add_space_prefix`, control/user tokens matched whole."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    scores = list(meta.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))])
+    types = list(meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=spm_merges(tokens, scores, types), fuse_unk=True, byte_fallback=True,
+                               unk_token=tokens[unk] if unk is not None else None))
+    steps = [normalizers.Replace(" ", "▁")]
+    if meta.get("tokenizer.ggml.add_space_prefix", True):
+        steps.insert(0, normalizers.Prepend("▁"))
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == TOKEN_CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED])
+    _add_post_processor(tok, meta, tokens)
+    return tok
+
+
 def build_tokenizer(path, meta: dict):
-    """A `tokenizers.Tokenizer` from the GGUF vocabulary (byte-level BPE, `tokenizer.ggml.model == "gpt2"`)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    """A `tokenizers.Tokenizer` from the GGUF vocabulary: byte-level BPE ("gpt2") or SentencePiece BPE ("llama")."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return build_spm_tokenizer(path, meta)
     if kind != "gpt2":
         raise UnsupportedModelError(
-            f"{path}: tokenizer type {kind!r} is not supported; exl imports byte-level BPE ('gpt2') vocabularies"
+            f"{path}: tokenizer type {kind!r} is not supported; exl imports byte-level BPE ('gpt2') and "
+            f"SentencePiece ('llama') vocabularies"
         )
     tokens = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
@@ -313,6 +441,13 @@ def build_tokenizer(path, meta: dict):
             if k == TOKEN_USER_DEFINED and t in vocab]
     tok.add_special_tokens(special)
     tok.add_tokens(user)
+    _add_post_processor(tok, meta, tokens)
+    return tok
+
+
+def _add_post_processor(tok, meta: dict, tokens: list[str]) -> None:
+    """BOS/EOS added around encoded text as `tokenizer.ggml.add_bos_token`/`add_eos_token` say."""
+    from tokenizers import processors
 
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     prefix = [(tokens[bos], bos)] if meta.get("tokenizer.ggml.add_bos_token") and bos is not None else []
@@ -323,7 +458,23 @@ def build_tokenizer(path, meta: dict):
         pair=" ".join(x for x in (p, "$A:0", s, p, "$B:1", s) if x),
         special_tokens=list(dict(prefix + suffix).items()),
     )
-    return tok
+
+
+# Gemma's turn format, for gemma3 GGUF files that carry no `tokenizer.chat_template`: a system message is put
+# in front of the first user turn, the assistant's role is called "model", every turn ends with <end_of_turn>.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none -%}"
+    "{%- for message in messages if message['role'] != 'system' -%}"
+    "{%- if (message['role'] == 'user') != loop.index0 is even -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{%- if loop.first and system is not none -%}{{ system | trim + '\n\n' }}{%- endif -%}"
+    "{{ message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
 
 
 def tokenizer_files(meta: dict, context: int) -> dict[str, str]:
@@ -347,6 +498,8 @@ def tokenizer_files(meta: dict, context: int) -> dict[str, str]:
     }
     files = {"special_tokens_map.json": json.dumps(special, indent=2, ensure_ascii=False) + "\n"}
     template = meta.get("tokenizer.chat_template")
+    if not template and meta.get("general.architecture") == "gemma3":
+        template = GEMMA_CHAT_TEMPLATE
     if template:
         config["chat_template"] = template
         files["chat_template.jinja"] = template
@@ -386,7 +539,7 @@ def _commit_output(tmp: Path, out_dir: Path) -> None:
 
 def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
                 shard_size: int = DEFAULT_SHARD_SIZE, force: bool = False) -> Path:
-    """Convert a llama-architecture GGUF file into a Hugging Face folder at `out_dir`; returns `out_dir`.
+    """Convert a llama- or gemma3-architecture GGUF file into a Hugging Face folder at `out_dir`; returns `out_dir`.
 
     dtype: torch dtype (or "float32"/"float16"/"bfloat16") of the written weights.
     shard_size: most bytes per safetensors file; more than that gives shards plus an index.
@@ -399,13 +552,13 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype:
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     gguf_file = read_gguf(gguf_path)
     meta, tensors = gguf_file.metadata, gguf_file.tensors
-    _require_llama(gguf_path, meta)
+    arch = _require_supported(gguf_path, meta)
     for name in tensors:
         try:
-            hf_name(name)
+            hf_name(name, arch)
         except UnsupportedModelError as e:
             raise UnsupportedModelError(f"{gguf_path}: {e}") from None
-    config = build_config(gguf_path, meta, tensors, dtype)
+    config = (build_gemma3_config if arch == "gemma3" else build_config)(gguf_path, meta, tensors, dtype)
     tokenizer = build_tokenizer(gguf_path, meta)
 
     tmp = _prepare_output(out_dir, force)
@@ -413,6 +566,8 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype:
         write_weights(tensors, config, tmp, dtype, shard_size)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+        if len(stop_token_ids(meta)) > 1:
+            generation["eos_token_id"] = stop_token_ids(meta)
         (tmp / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **generation}, indent=2) + "\n")
         tokenizer.save(str(tmp / "tokenizer.json"))
         for name, text in tokenizer_files(meta, config["max_position_embeddings"]).items():
@@ -434,7 +589,7 @@ def parse_size(text: str) -> int:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("gguf", help="llama-architecture .gguf file")
+    parser.add_argument("gguf", help="llama- or gemma3-architecture .gguf file")
     parser.add_argument("-o", "--output", required=True, help="folder to write the Hugging Face model into")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype (default float32)")
     parser.add_argument("--shard-size", default="5GB", help="largest safetensors file, e.g. 2GB (default 5GB)")

