@@ -29,8 +29,15 @@ def random_layer(n, segs, *, perm=True, su=True, sv=True, bias=True, seed=0, per
     return t
 
 
-def abs_bound(x, t):
-    """fp64 reference of the forward pass and c = |u'| @ |Q|^T (rotated domain) for error bounds."""
+def abs_rotate(v):
+    """|H_N| v over the last dim: what a Hadamard rotation can do to a bound on |v|."""
+    n = v.shape[-1]
+    b = F.hadamard_block(n)
+    return v.view(-1, n // b, b).sum(-1, keepdim=True).expand(-1, -1, b).reshape(v.shape) / math.sqrt(b)
+
+
+def exact_and_scale(x, t):
+    """fp64 forward z, c = |u'| @ |Q|^T (rotated domain, through |H_N|) for error bounds, and u', Q."""
     segs = F.segments_from_meta(t["qmeta"])
     q = F.dequantize_codes(F.unpack_codes(t["qweight"], segs), t["qscale"], segs, torch.float64)
     n, k = q.shape
@@ -42,11 +49,15 @@ def abs_bound(x, t):
     z, c = u @ q.T, u.abs() @ q.abs().T
     if "sv" in t:
         z = F.fwht(z) * F.unpack_signs(t["sv"], n, torch.float64)
-        b = F.hadamard_block(n)
-        c = c.view(-1, n // b, b).sum(-1, keepdim=True).expand(-1, -1, b).reshape(c.shape) / math.sqrt(b)
+        c = abs_rotate(c)
     if "bias" in t:
         z = z + t["bias"].double()
-    return z, c
+    return z, c, u, q
+
+
+def abs_bound(x, t):
+    """fp64 reference of the forward pass and c = |u'| @ |Q|^T (rotated domain) for error bounds."""
+    return exact_and_scale(x, t)[:2]
 
 
 def check_forward(layer, t, m, path, seed=1):

@@ -26,6 +26,8 @@ from cuda_ext import build
 from exl import format as F
 from exl.modules.quant_linear import QuantLinear
 
+from cuda_reference import abs_rotate, exact_and_scale  # noqa: E402  (tests/: one fp64 reference for both)
+
 pytestmark = pytest.mark.kernels  # CI runs these under a second torch too (.ci/run)
 U = 2.0**-24
 
@@ -64,32 +66,6 @@ def kernel(ext, t, isa="auto"):
     return ext.QuantLinearCPU(
         t["qweight"], t["qscale"], t["qmeta"], t.get("perm"), t.get("su"), t.get("sv"), t.get("bias"), isa
     )
-
-
-def exact_and_scale(x, t):
-    """fp64 result and c (see module doc): |u'| @ |Q|^T in the rotated domain, through |H_N|."""
-    segs = F.segments_from_meta(t["qmeta"])
-    q = F.dequantize_codes(F.unpack_codes(t["qweight"], segs), t["qscale"], segs, torch.float64)
-    n, k = q.shape
-    u = x.double()
-    if "su" in t:
-        u = F.fwht(u * F.unpack_signs(t["su"], k, torch.float64))
-    if "perm" in t:
-        u = u[:, t["perm"].long()]
-    z, c = u @ q.T, u.abs() @ q.abs().T
-    if "sv" in t:
-        z = F.fwht(z) * F.unpack_signs(t["sv"], n, torch.float64)
-        c = abs_rotate(c)
-    if "bias" in t:
-        z = z + t["bias"].double()
-    return z, c, u, q
-
-
-def abs_rotate(v):
-    """|H_N| v over the last dim: what a Hadamard rotation can do to a bound on |v|."""
-    n = v.shape[-1]
-    b = F.hadamard_block(n)
-    return v.view(-1, n // b, b).sum(-1, keepdim=True).expand(-1, -1, b).reshape(v.shape) / math.sqrt(b)
 
 
 def fp32_bound(c, k):
