@@ -178,10 +178,7 @@ def build_config(path, meta: dict, tensors: dict, dtype: torch.dtype) -> dict:
         "use_cache": True,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    for name in ("bos", "eos", "padding"):
-        if f"tokenizer.ggml.{name}_token_id" in meta:
-            config[f"{name.replace('padding', 'pad')}_token_id"] = int(meta[f"tokenizer.ggml.{name}_token_id"])
-    return config
+    return config | _special_token_ids(meta)
 
 
 GEMMA3_SLIDING_PATTERN = 6  # Gemma 3: five sliding-window layers, then one global layer
@@ -237,10 +234,7 @@ def build_gemma3_config(path, meta: dict, tensors: dict, dtype: torch.dtype) -> 
         "use_cache": True,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    for name in ("bos", "eos", "padding"):
-        if f"tokenizer.ggml.{name}_token_id" in meta:
-            config[f"{name.replace('padding', 'pad')}_token_id"] = int(meta[f"tokenizer.ggml.{name}_token_id"])
-    return config
+    return config | _special_token_ids(meta)
 
 
 def stop_token_ids(meta: dict) -> list[int]:
@@ -266,6 +260,12 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if m and m.group(2) in layer_names:
         return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
     raise UnsupportedModelError(f"tensor {gguf_name!r} is not part of a {arch} model")
+
+
+def _special_token_ids(meta) -> dict:
+    """config.json's bos/eos/pad token ids from the GGUF tokenizer metadata, where present."""
+    return {f"{name.replace('padding', 'pad')}_token_id": int(meta[f"tokenizer.ggml.{name}_token_id"])
+            for name in ("bos", "eos", "padding") if f"tokenizer.ggml.{name}_token_id" in meta}
 
 
 def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
