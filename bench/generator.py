@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from exl.threads import fix_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -155,7 +156,7 @@ def main(argv=None) -> dict:
                                                          "memory check)")
     args = ap.parse_args(argv)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        fix_threads(args.threads)
         os.environ["EXL_THREADS"] = str(args.threads)  # asked for: no automatic choice at load
     q = args.quick
     model = exl.load_model(args.model, progress=False)

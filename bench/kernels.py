@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from exl.threads import fix_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -313,7 +314,7 @@ def main():
     ap.add_argument("--json", action="store_true", help="one JSON line: decode GEMV GB/s vs the device's bandwidth")
     args = ap.parse_args()
     if args.threads:
-        torch.set_num_threads(args.threads)
+        fix_threads(args.threads)
     if args.json:
         return gemv_json(args)
     (bench_cuda if args.cuda else bench_trellis if args.trellis else bench_isas if args.isas else bench_cpu)(args)

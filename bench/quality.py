@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from exl.threads import fix_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -226,7 +227,7 @@ def ablation_variants() -> list[dict]:
 
 def trellis_run(args) -> dict:
     """Trellis vs scalar codes at TRELLIS_SIZES: each kind measured once, the other sizes converted with -m."""
-    torch.set_num_threads(args.threads)
+    fix_threads(args.threads)
     rot = rotated_model(args.seed)
     from calibration.evaltext import eval_tokens
 
@@ -268,7 +269,7 @@ SCALAR_MAIN = {"exl-2.5": (2.500, 30.301, 0.7327), "exl-3.0": (3.000, 21.073, 0.
 def trellis_uniform_run(args) -> dict:
     """Every matrix at one trellis width K (no measurement of other settings, no Fisher pass): the cheapest
     trellis model, compared with the scalar rows of the main table."""
-    torch.set_num_threads(args.threads)
+    fix_threads(args.threads)
     rot = rotated_model(args.seed)
     from calibration.evaltext import eval_tokens
 
@@ -345,7 +346,7 @@ def trellis_markdown(results: dict) -> str:
 
 
 def run(args) -> dict:
-    torch.set_num_threads(args.threads)
+    fix_threads(args.threads)
     os.environ["EXL_THREADS"] = str(args.threads)  # asked for: no automatic choice at load
     rot = rotated_model(args.seed)
     tok = Tokenizer.from_dir(rot)

@@ -190,11 +190,12 @@ def _bench_worker(conn, exl_dir: str, threads: int, tokens: int) -> None:
     servers, so that the scheduler (autogroups) treats the three contenders alike."""
     os.setsid()
     import torch
+    from exl.threads import fix_threads
 
     import exl
     from exl import benchmark
 
-    torch.set_num_threads(threads)
+    fix_threads(threads)
     gen = benchmark.make_generator(exl.load_model(exl_dir, progress=False), 0, tokens)
     benchmark.time_generation(gen, tokens, seed=0)  # warm-up
     conn.send("ready")

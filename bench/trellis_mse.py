@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import torch
+from exl.threads import fix_threads
 
 from exl.format import TrellisMeta
 from quant import trellis as T
@@ -76,7 +77,7 @@ def main():
                          "again on fresh data")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    fix_threads(args.threads)
     if args.constants:
         rng = np.random.default_rng(1)
         cands = dict(KNOWN_CONSTANTS)

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
+from exl.threads import fix_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
         ap.error("give both --exl and --gguf, or neither")
     exl_dir, gguf = (Path(args.exl), Path(args.gguf)) if args.exl else prepare(args.bits)
 
-    torch.set_num_threads(args.threads)
+    fix_threads(args.threads)
     os.environ["EXL_THREADS"] = str(args.threads)  # asked for: no automatic choice at load
     model = exl.load_model(exl_dir, progress=False)
     ours = benchmark.run(model, 512, 128, args.repetitions)

@@ -82,6 +82,14 @@ def auto_threads(probe_s: float = PROBE_S) -> int:
     return threads_for(len(cpus), others_load(cpus, probe_s))
 
 
+def fix_threads(n: int) -> None:
+    """Use exactly `n` threads from now on: no probe at model load (a `-t N` flag means N, even when N is the
+    machine's core count, which torch.set_num_threads alone cannot tell from the default)."""
+    global _applied
+    torch.set_num_threads(int(n))
+    _applied = True
+
+
 def apply_auto_threads() -> int | None:
     """Set torch's intra-op thread count from `auto_threads()` once per process, unless the user fixed it
     (EXL_THREADS=N, OMP_NUM_THREADS, or torch.set_num_threads to anything but the default). Returns the count set,

@@ -205,6 +205,23 @@ def test_full_cache_queues_and_completes_every_job(small):
         gen.enqueue(Job(list(range(60)), max_new_tokens=10))
 
 
+def test_a_job_that_exactly_fills_the_cache_runs(small):
+    """Whatever validate() accepts runs when the cache is empty: a prompt filling every page with max_new_tokens=1
+    (the prefill's token is the last; nothing is fed back) must not wait forever for a page it never needs.
+    `exl bench -p 512` hung this way."""
+    cache = PagedCache(small, num_pages=2, page_size=8)  # 16 tokens
+    gen = Generator(small, cache, None)
+    ids = prompts([16], seed=3)[0]
+    job = Job(ids, max_new_tokens=1, sampler=GREEDY)
+    gen.enqueue(job)
+    for _ in range(3):
+        gen.iterate()
+        if job.eos_reason:
+            break
+    assert job.eos_reason == "max_new_tokens" and job.generated == reference_greedy(small, ids, 1)[0]
+    assert cache.pages_in_use == 0
+
+
 @pytest.mark.xfail(strict=False, reason="known gap (issue 11 item 4): the one-call decode step's paged attention sums "
                    "fragmented page tables in another order than contiguous ones, so a job re-prefilled after "
                    "preemption or batched on interleaved pages can flip a near-tied greedy token")

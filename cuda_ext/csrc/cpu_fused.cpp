@@ -25,6 +25,7 @@
 
 #include "cpu_fused.h"
 #include "cpu_isa.h"
+#include "cpu_pool.h"
 
 namespace exl {
 namespace fused {
@@ -73,7 +74,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* pw = weight.data_ptr<float>();
   float* py = y.data_ptr<float>();
   const float e = float(eps);
-  at::parallel_for(0, rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
+  exl::cpu::parallel_for(0, rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) scale_row(px + r * d, inv_rms(px + r * d, d, e), pw, py + r * d, d);
   });
   return y;
@@ -102,7 +103,7 @@ std::tuple<at::Tensor, c10::optional<at::Tensor>> add_rms_norm(at::Tensor& x, co
   const float* pxw = has_xw ? x_weight->data_ptr<float>() : nullptr;
   float* py = has_w ? y.data_ptr<float>() : nullptr;
   const float e = float(eps);
-  at::parallel_for(0, rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
+  exl::cpu::parallel_for(0, rows, grain_rows(d), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = px + r * d;
       const float* rr = pr + r * d;
@@ -171,7 +172,7 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor
   const int64_t cb = cos.size(0) == 1 ? 0 : cos.stride(0), ct = cos.stride(1);
   const float e = float(eps);
   const int64_t heads = hq + hk;
-  at::parallel_for(0, b * t, grain_rows(heads * d), [&](int64_t r0, int64_t r1) {
+  exl::cpu::parallel_for(0, b * t, grain_rows(heads * d), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t bi = r / t, ti = r % t, off = bi * cb + ti * ct;
       float* qr = pq + bi * q.stride(0) + ti * q.stride(1);
@@ -429,7 +430,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   // when the cores are oversubscribed.
   const int64_t work = g * n * d * 2;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(work, 1));
-  at::parallel_for(0, b * hk, grain, [&](int64_t i0, int64_t i1) {
+  exl::cpu::parallel_for(0, b * hk, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(g * n);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t bi = i / hk, h = i % hk;
@@ -497,7 +498,7 @@ void paged_decode_attention(const at::Tensor& q, at::Tensor& out, const at::Tens
   const float sc = float(scale), cap = float(softcap);
   const int64_t work = g * std::max<int64_t>(total / std::max<int64_t>(G, 1), 1) * d * 4;  // gather + attend
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(work, 1));
-  at::parallel_for(0, G * hk, grain, [&](int64_t i0, int64_t i1) {
+  exl::cpu::parallel_for(0, G * hk, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> kb, vb, s;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t gi = i / hk, h = i % hk;
@@ -589,7 +590,7 @@ at::Tensor paged_step_attention(const at::Tensor& q, const at::Tensor& k, const 
   const float sc = float(scale), cap = float(softcap);
   const int64_t work = g * std::max<int64_t>(total / std::max<int64_t>(b, 1), 1) * d * 2;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(work, 1));
-  at::parallel_for(0, b * hk, grain, [&](int64_t i0, int64_t i1) {
+  exl::cpu::parallel_for(0, b * hk, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> s;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t bi = i / hk, h = i % hk, n = first[bi + 1] - first[bi];
@@ -623,7 +624,7 @@ at::Tensor act_mul(at::Tensor& gate, const at::Tensor& up, const std::string& ac
                       : act == "relu"      ? k->relu_mul
                                            : nullptr;
   TORCH_CHECK(fn, "exl act_mul: unknown activation '", act, "' (silu, gelu, gelu_tanh, relu)");
-  at::parallel_for(0, gate.numel(), kGrainValues, [&](int64_t i0, int64_t i1) { fn(g + i0, u + i0, o + i0, i1 - i0); });
+  exl::cpu::parallel_for(0, gate.numel(), kGrainValues, [&](int64_t i0, int64_t i1) { fn(g + i0, u + i0, o + i0, i1 - i0); });
   return out;
 }
 

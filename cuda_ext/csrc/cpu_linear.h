@@ -10,6 +10,7 @@
 #include <string>
 
 #include "cpu_kernels.h"
+#include "cpu_pool.h"
 
 namespace exl {
 namespace cpu {
@@ -38,7 +39,7 @@ inline std::string env_isa() {
 // (output rotation); rows split over threads.
 inline void rotate_rows(const Kernels* k, float* x, int64_t M, int64_t n, const uint8_t* signs, bool signs_first) {
   const int64_t hb = hadamard_block(n);
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)),
+  exl::cpu::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)),
                    [&](int64_t m0, int64_t m1) { k->fwht(x + m0 * n, m1 - m0, n, n, hb, signs, signs_first); });
 }
 

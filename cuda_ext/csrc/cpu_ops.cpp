@@ -8,13 +8,18 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu_kernels.h"
 #include "cpu_fused.h"
 #include "cpu_isa.h"
 #include "cpu_linear.h"
+#include "cpu_pool.h"
 #include "layer.h"
 
 namespace py = pybind11;
@@ -89,7 +94,7 @@ class QuantLinearCPU : public LinearCPU {
   at::Tensor dequantize() const {
     auto out = at::empty({layer_.N, layer_.K}, at::kFloat);
     float* o = out.data_ptr<float>();
-    at::parallel_for(0, layer_.N, 16, [&](int64_t n0, int64_t n1) { kernels_->dequant(layer_, n0, n1, o + n0 * layer_.K, layer_.K); });
+    exl::cpu::parallel_for(0, layer_.N, 16, [&](int64_t n0, int64_t n1) { kernels_->dequant(layer_, n0, n1, o + n0 * layer_.K, layer_.K); });
     return out;
   }
 
@@ -162,7 +167,7 @@ class QuantLinearCPU : public LinearCPU {
         for (int64_t m = 0; m < M; ++m) pair_order(q + m * K, qp + m * K);
       }
       const ActQ8 a{q, d, gsum, bsumf, M, qp};
-      at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { kernels_->gemv_q8(layer_, a, yp, N, n0, n1); });
+      exl::cpu::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { kernels_->gemv_q8(layer_, a, yp, N, n0, n1); });
     } else {
       // 2. u' = u[perm]
       if (perm_.defined()) {
@@ -174,7 +179,7 @@ class QuantLinearCPU : public LinearCPU {
         u = g;
       }
       if (p == Path::Fp32) {
-        at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { kernels_->gemv_f32(layer_, u, M, yp, N, n0, n1); });
+        exl::cpu::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { kernels_->gemv_f32(layer_, u, M, yp, N, n0, n1); });
       } else {
         gemm(u, M, y);
       }
@@ -212,15 +217,29 @@ class QuantLinearCPU : public LinearCPU {
 
   // Large batches: dequantize a tile of rows into a cache-sized fp32 buffer (threads split the
   // rows), then multiply it with BLAS (threaded inside); no nested parallel regions.
+  // Inside a decode step's team (cpu_pool.h) BLAS runs single-threaded: each thread then dequantizes
+  // and multiplies its own share of the output features.
   void gemm(const float* u, int64_t M, at::Tensor& y) const {
     const int64_t K = layer_.K, N = layer_.N;
     const int64_t tile = std::max<int64_t>(64, std::min<int64_t>(1024, ((int64_t(1) << 19) / K) & ~int64_t(15)));
     const auto ut = at::from_blob(const_cast<float*>(u), {M, K}, at::kFloat);
+    if (exl::cpu::in_team()) {
+      exl::cpu::parallel_for(0, N, 16, [&](int64_t a, int64_t b) {
+        auto w = at::empty({std::min(tile, b - a), K}, at::kFloat);
+        for (int64_t n0 = a; n0 < b; n0 += tile) {
+          const int64_t n1 = std::min(b, n0 + tile);
+          kernels_->dequant(layer_, n0, n1, w.data_ptr<float>(), K);
+          auto out = y.narrow(1, n0, n1 - n0);
+          at::mm_out(out, ut, w.narrow(0, 0, n1 - n0).t());
+        }
+      });
+      return;
+    }
     auto w = at::empty({std::min(tile, N), K}, at::kFloat);
     float* wp = w.data_ptr<float>();
     for (int64_t n0 = 0; n0 < N; n0 += tile) {
       const int64_t n1 = std::min(N, n0 + tile);
-      at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) { kernels_->dequant(layer_, a, b, wp + (a - n0) * K, K); });
+      exl::cpu::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) { kernels_->dequant(layer_, a, b, wp + (a - n0) * K, K); });
       auto out = y.narrow(1, n0, n1 - n0);
       at::mm_out(out, ut, w.narrow(0, 0, n1 - n0).t());
     }
@@ -251,7 +270,7 @@ at::Tensor fwht(const at::Tensor& x, int64_t block, c10::optional<at::Tensor> si
   const int64_t rows = n ? y.numel() / n : 0;
   const Kernels* k = kernels_named(isa);
   float* p = y.data_ptr<float>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)),
+  exl::cpu::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)),
                    [&](int64_t r0, int64_t r1) { k->fwht(p + r0 * n, r1 - r0, n, n, block, s, signs_first); });
   return y;
 }
@@ -262,6 +281,27 @@ int64_t parallel_chunks(int64_t n) {
   std::atomic<int64_t> chunks{0};
   at::parallel_for(0, n, 1, [&](int64_t, int64_t) { chunks++; });
   return chunks.load();
+}
+
+// The chunks [(begin, end), ...] that exl::cpu::parallel_for in a team (team=true) or at::parallel_for ran for
+// [begin, end) with `grain`, sorted; `throw_at` >= 0 makes the chunk holding that unit throw.
+std::vector<std::pair<int64_t, int64_t>> parallel_partition(int64_t begin, int64_t end, int64_t grain, bool team,
+                                                           int64_t throw_at) {
+  std::mutex m;
+  std::vector<std::pair<int64_t, int64_t>> chunks;
+  auto body = [&](int64_t b, int64_t e) {
+    if (throw_at >= b && throw_at < e) throw std::runtime_error("exl test: chunk [" + std::to_string(b) + ", " +
+                                                                std::to_string(e) + ") failed on purpose");
+    std::lock_guard<std::mutex> lock(m);
+    chunks.emplace_back(b, e);
+  };
+  if (team) {
+    exl::cpu::run_team([&] { exl::cpu::parallel_for(begin, end, grain, body); });
+  } else {
+    at::parallel_for(begin, end, grain, body);
+  }
+  std::sort(chunks.begin(), chunks.end());
+  return chunks;
 }
 
 }  // namespace
@@ -300,6 +340,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   void register_trellis_encode(py::module_&); register_trellis_encode(m);  // the trellis encoder, trellis_encode.cpp
   void register_step(py::module_&); register_step(m);    // the one-call decode step, cpu_step.cpp
   m.def("isa_names", &exl::cpu::isa_names, "Instruction sets usable on this CPU, best last");
+  m.def("parallel_partition", &exl::cpu::parallel_partition, py::arg("begin"), py::arg("end"), py::arg("grain"),
+        py::arg("team") = true, py::arg("throw_at") = -1, "Chunks a run_team team or at::parallel_for runs (tests)");
+  m.def("team_regions", &exl::cpu::team_regions, "Parallel regions served by run_team teams (cpu_pool.h)");
   m.def("parallel_chunks", &exl::cpu::parallel_chunks, "Chunks at::parallel_for runs for n units (threading check)");
   m.def("fwht", &exl::cpu::fwht, py::arg("x"), py::arg("block") = 0, py::arg("signs") = py::none(),
         py::arg("signs_first") = true, py::arg("isa") = "auto",

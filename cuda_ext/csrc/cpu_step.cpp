@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cpu_fused.h"
+#include "cpu_pool.h"
 
 namespace py = pybind11;
 
@@ -273,7 +274,9 @@ class DecodeStep {
     Batch b{std::move(k_store), std::move(v_store), std::move(pages), std::move(lengths), page_size, std::move(cos),
             std::move(sin)};
     at::Tensor h = x.contiguous();
-    for (const auto& blk : blocks_) h = blk->forward(h, b);
+    run_team([&] {  // one OpenMP region for the step's few hundred parallel loops (cpu_pool.h)
+      for (const auto& blk : blocks_) h = blk->forward(h, b);
+    });
     return h;
   }
 

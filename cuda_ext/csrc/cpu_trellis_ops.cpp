@@ -143,11 +143,11 @@ class TrellisLinearCPU : public LinearCPU {
       }
       const float* dp = d.data_ptr<float>();
       const int32_t* bp = bsum.data_ptr<int32_t>();
-      at::parallel_for(0, tiles, grain, [&](int64_t i0, int64_t i1) {
+      exl::cpu::parallel_for(0, tiles, grain, [&](int64_t i0, int64_t i1) {
         trellis_kernels_->gemv_q8(L, qqp, dp, bp, M, yp, N_, i0, i1);
       });
     } else {
-      at::parallel_for(0, tiles, grain, [&](int64_t i0, int64_t i1) { trellis_kernels_->gemv(L, up, M, yp, N_, i0, i1); });
+      exl::cpu::parallel_for(0, tiles, grain, [&](int64_t i0, int64_t i1) { trellis_kernels_->gemv(L, up, M, yp, N_, i0, i1); });
     }
     // 3. y = D_v (H z), 4. bias
     rotate_rows(kernels_, yp, M, N_, sv_.data_ptr<uint8_t>(), false);
@@ -176,7 +176,7 @@ class TrellisLinearCPU : public LinearCPU {
     const int64_t ldw = w.size(1);
     for (int64_t i0 = 0; i0 < tiles; i0 += block) {
       const int64_t i1 = std::min(tiles, i0 + block), cols = (i1 - i0) * kTile;
-      at::parallel_for(i0, i1, 1, [&](int64_t a, int64_t b) {
+      exl::cpu::parallel_for(i0, i1, 1, [&](int64_t a, int64_t b) {
         trellis_kernels_->decode(L, a, b, wp + (a - i0) * kTile, ldw);
       });
       auto out = y.narrow(1, i0 * kTile, cols);

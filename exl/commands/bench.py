@@ -28,6 +28,7 @@ def add_arguments(p):
 
 def run(args) -> int:
     import torch
+    from exl.threads import fix_threads
 
     from exl import benchmark
     from exl.runtime import load_for_cli
@@ -37,7 +38,7 @@ def run(args) -> int:
     if args.n_prompt < 0 or args.n_gen < 0 or args.n_prompt + args.n_gen == 0:
         raise ExlError("--n-prompt and --n-gen must be >= 0 and not both 0")
     if args.threads:
-        torch.set_num_threads(args.threads)
+        fix_threads(args.threads)
     model = load_for_cli(args.model, args, progress=sys.stderr.isatty())
     result = benchmark.run(model, args.n_prompt, args.n_gen, args.repetitions,
                            progress=lambda name, v: print(f"  {name}: {v:8.1f} tok/s", file=sys.stderr))

@@ -275,7 +275,9 @@ class Generator:
             if self.cache.pending_prefix(ids):
                 blocked.append(job)  # a running job is writing pages this prompt can reuse: wait for them
                 continue
-            first = run.prefill_end + 1  # room for the prompt and the first step after it; more as it grows
+            # room for the prompt and the first step after it (none when the prefill's token is the last); more
+            # as it grows. Never more than validate() checked, or a job alone in the cache could wait forever.
+            first = min(run.prefill_end + 1, max(_stored_tokens(job), run.prefill_end))
             headroom = min(len(self.running), max(1, self.cache.num_pages // 8))  # room for running jobs to grow:
             if self.cache.pages_available < self.cache.pages_for(first) + headroom:  # no admit-preempt churn
                 self.waiting.appendleft(job)
