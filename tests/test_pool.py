@@ -98,3 +98,30 @@ def test_decode_runs_on_the_pool_from_any_thread(ext, threads, smol_q4):
     got["async"] = asyncio.run(streamed())
     assert ext.team_regions() - before >= 11 * model.config.num_layers
     assert got == {"thread": want, "async": want}
+
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "quant"])
+def test_a_batch_past_the_gemm_threshold_decodes_in_the_team(tmp_path, ext, threads, quantized):
+    """20 sequences in one decode step (the quantized layers' GEMM path, split over the team; float layers on
+    one thread of it), under inference mode as in the generator: the logits of the module path, bit for bit."""
+    from test_decode_step import decode_logits, g, quantize_randomly, spy_step
+    from test_models import BASE, make_model
+
+    threads(2)
+    _, path = make_model(tmp_path, "llama")
+    model = exl.load_model(path, progress=False)
+    if quantized:
+        quantize_randomly(model)
+    ids = torch.randint(0, BASE["vocab_size"], (60,), generator=g(5)).tolist()
+    prompts = [ids[i : i + 3] for i in range(20)]
+    with torch.inference_mode():
+        ran = spy_step(model)
+        before = ext.team_regions()
+        got = decode_logits(model, prompts, steps=3, page_size=8)
+        assert ran == [False] + [True] * 3
+        assert ext.team_regions() > before or not quantized  # (the tiny float model's loops are all under grain)
+        del model.decode_step
+        model._step = False  # block by block
+        want = decode_logits(model, prompts, steps=3, page_size=8)
+    assert torch.equal(got, want)

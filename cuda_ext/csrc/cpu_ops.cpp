@@ -224,7 +224,9 @@ class QuantLinearCPU : public LinearCPU {
     const int64_t tile = std::max<int64_t>(64, std::min<int64_t>(1024, ((int64_t(1) << 19) / K) & ~int64_t(15)));
     const auto ut = at::from_blob(const_cast<float*>(u), {M, K}, at::kFloat);
     if (exl::cpu::in_team()) {
+      const bool inference = c10::InferenceMode::is_enabled();  // thread-local: the team's threads take the caller's
       exl::cpu::parallel_for(0, N, 16, [&](int64_t a, int64_t b) {
+        c10::InferenceMode mode(inference);
         auto w = at::empty({std::min(tile, b - a), K}, at::kFloat);
         for (int64_t n0 = a; n0 < b; n0 += tile) {
           const int64_t n1 = std::min(b, n0 + tile);
