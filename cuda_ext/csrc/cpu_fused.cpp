@@ -236,73 +236,100 @@ EXL_INLINE void act_mul_span(const float* g, const float* u, float* out, int64_t
   for (int64_t i = 0; i < n; ++i) out[i] = Act::f(g[i]) * u[i];
 }
 
-// One kv head group of attention: g query heads (row stride qs) against n keys/values, key j at row
-// offset offs[j] from `keys` / `values` (a contiguous cache, a page table: the caller's layout is only
-// in the offsets); scores in s [g, n]; out [g, d] (row stride os). D > 0 fixes the head dim at compile
-// time (fully unrolled inner loops, accumulators in registers); D = 0 reads it from d. Every attention
-// of the fused ops runs this one loop (one instance per table), so a query's result depends only on
-// its query, its keys and values and their count, not on where they lie or what else runs beside it.
-template <int D>
-EXL_INLINE void attend_keys(const float* q, int64_t g, const float* keys, const float* values, int64_t n,
-                            const int64_t* offs, int64_t d_, float scale, float softcap, float* s, float* out,
-                            int64_t qs, int64_t os) {
-  const int64_t d = D > 0 ? D : d_;
+// Attention of one tile: up to W query vectors ("lanes": nrows consecutive rows x nheads query heads of one
+// kv head group) over their keys, key j at row offset offs[j] from `keys` / `values` (a contiguous cache, a
+// page table: the caller's layout is only in the offsets); row r of the tile keeps its first counts[r] keys.
+// Lane l is query head (l % nheads) of row (l / nheads): q + (l / nheads) * rs + (l % nheads) * d, written
+// to out at the same place (row stride os). s: scratch [W, max count].
+//
+// One summation order for every lane, whatever tile it lands in: a score is one sequential chain of
+// multiply-adds over the head dim (the lanes run side by side in a vector, four keys at a time, but each
+// lane's chain is its own); the softmax and the weighted sum of values run per lane over its own keys. So a
+// query's result depends only on its query, its keys and values and their count: not on where they lie,
+// how many rows its sequence brings, or what else runs beside it. D > 0 fixes the head dim at compile time.
+// W floats side by side (one vector register of a table's ISA): V in registers, U for unaligned loads/stores.
+template <int W>
+struct Lanes;
+template <>
+struct Lanes<4> {
+  typedef float V __attribute__((vector_size(16)));
+  typedef float U __attribute__((vector_size(16), aligned(4)));
+};
+template <>
+struct Lanes<8> {
+  typedef float V __attribute__((vector_size(32)));
+  typedef float U __attribute__((vector_size(32), aligned(4)));
+};
+template <>
+struct Lanes<16> {
+  typedef float V __attribute__((vector_size(64)));
+  typedef float U __attribute__((vector_size(64), aligned(4)));
+};
+
+template <int D, int W>
+EXL_INLINE void attend_tile(const float* q, int64_t rs, int64_t nrows, int64_t nheads, const float* keys,
+                            const float* values, const int64_t* offs, const int64_t* counts, int64_t d_,
+                            float scale, float softcap, float* s, float* out, int64_t os) {
+  using V = typename Lanes<W>::V;
+  using U = typename Lanes<W>::U;
+  const int64_t d = D > 0 ? D : d_, lanes = nrows * nheads;
+  int64_t n = 0;
+  for (int64_t r = 0; r < nrows; ++r) n = counts[r] > n ? counts[r] : n;
+  V qt_fixed[D > 0 ? D : 1];  // the lanes' queries, transposed: lane l of qt[i] is element i of lane l's query
+  std::vector<float> qt_any(D > 0 ? 0 : d * W);
+  float* qf = D > 0 ? reinterpret_cast<float*>(qt_fixed) : qt_any.data();
+  for (int64_t i = 0; i < d; ++i)
+    for (int64_t l = 0; l < W; ++l) qf[i * W + l] = l < lanes ? q[(l / nheads) * rs + (l % nheads) * d + i] : 0.f;
+  const U* qt = reinterpret_cast<const U*>(qf);
   int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {  // four keys at a time: four independent FMA chains per query
+  for (; j + 4 <= n; j += 4) {  // four keys at a time: four independent chains per lane
     const float *k0 = keys + offs[j], *k1 = keys + offs[j + 1], *k2 = keys + offs[j + 2], *k3 = keys + offs[j + 3];
-    for (int64_t h = 0; h < g; ++h) {
-      const float* qh = q + h * qs;
-      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-      for (int64_t i = 0; i < d; ++i) {
-        a0 += qh[i] * k0[i];
-        a1 += qh[i] * k1[i];
-        a2 += qh[i] * k2[i];
-        a3 += qh[i] * k3[i];
-      }
-      float* sh = s + h * n + j;
-      sh[0] = a0 * scale, sh[1] = a1 * scale, sh[2] = a2 * scale, sh[3] = a3 * scale;
+    V a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t i = 0; i < d; ++i) {
+      a0 += qt[i] * k0[i];
+      a1 += qt[i] * k1[i];
+      a2 += qt[i] * k2[i];
+      a3 += qt[i] * k3[i];
+    }
+    for (int64_t l = 0; l < lanes; ++l) {
+      float* sl = s + l * n + j;
+      sl[0] = a0[l] * scale, sl[1] = a1[l] * scale, sl[2] = a2[l] * scale, sl[3] = a3[l] * scale;
     }
   }
   for (; j < n; ++j) {
     const float* kj = keys + offs[j];
-    for (int64_t h = 0; h < g; ++h) {
-      const float* qh = q + h * qs;
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t i = 0; i < d; ++i) acc += qh[i] * kj[i];
-      s[h * n + j] = acc * scale;
-    }
+    V a = {};
+    for (int64_t i = 0; i < d; ++i) a += qt[i] * kj[i];
+    for (int64_t l = 0; l < lanes; ++l) s[l * n + j] = a[l] * scale;
   }
-  for (int64_t h = 0; h < g; ++h) {
-    float* sh = s + h * n;
+  for (int64_t l = 0; l < lanes; ++l) {
+    const int64_t m = counts[l / nheads];  // this lane's keys
+    float* sh = s + l * n;
     if (softcap > 0.f)
-      for (int64_t j = 0; j < n; ++j) sh[j] = softcap * std::tanh(sh[j] / softcap);
+      for (int64_t j = 0; j < m; ++j) sh[j] = softcap * std::tanh(sh[j] / softcap);
     float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < n; ++j) mx = sh[j] > mx ? sh[j] : mx;  // (std::max would not inline into the AVX2 instance)
+    for (int64_t j = 0; j < m; ++j) mx = sh[j] > mx ? sh[j] : mx;  // (std::max would not inline into the AVX2 instance)
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = 0; j < m; ++j) {
       sh[j] = exp_f32(sh[j] - mx);
       sum += sh[j];
     }
     const float inv = 1.f / sum;
-    float* oh = out + h * os;
-    if constexpr (D > 0) {  // the output row lives in registers across the loop over values
-      float acc[D] = {};
-      for (int64_t j = 0; j < n; ++j) {
+    float* oh = out + (l / nheads) * os + (l % nheads) * d;
+    if constexpr (D > 0 && D % W == 0) {  // the output row lives in registers across the loop over values
+      V acc[D / W] = {};
+      for (int64_t j = 0; j < m; ++j) {
         const float p = sh[j] * inv;
-        const float* vj = values + offs[j];
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) acc[i] += p * vj[i];
+        const U* vj = reinterpret_cast<const U*>(values + offs[j]);
+        for (int64_t c = 0; c < D / W; ++c) acc[c] += p * vj[c];
       }
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) oh[i] = acc[i];
+      for (int64_t c = 0; c < D / W; ++c) *reinterpret_cast<U*>(oh + c * W) = acc[c];
     } else {
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) oh[i] = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = 0; j < m; ++j) {
         const float p = sh[j] * inv;
         const float* vj = values + offs[j];
 #pragma omp simd
@@ -312,26 +339,27 @@ EXL_INLINE void attend_keys(const float* q, int64_t g, const float* keys, const 
   }
 }
 
-using AttendFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, const int64_t*, int64_t, float,
-                          float, float*, float*, int64_t, int64_t);
+using AttendFn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, const float*, const int64_t*,
+                          const int64_t*, int64_t, float, float, float*, float*, int64_t);
 using ActMulFn = void (*)(const float*, const float*, float*, int64_t);
 
 struct Kernels {
   const char* name;
+  int64_t lanes;  // query vectors per attention tile (one vector register's floats)
   AttendFn attend;
   ActMulFn silu_mul, gelu_tanh_mul, gelu_mul, relu_mul;
 };
 
-#define KERNEL_TABLE(NAME, ATTR)                                                                                \
-  ATTR void attend_##NAME(const float* q, int64_t g, const float* k, const float* v, int64_t n,                \
-                          const int64_t* offs, int64_t d, float scale, float softcap, float* s, float* out,     \
-                          int64_t qs, int64_t os) {                                                             \
+#define KERNEL_TABLE(NAME, ATTR, W)                                                                             \
+  ATTR void attend_##NAME(const float* q, int64_t rs, int64_t nrows, int64_t nheads, const float* k,           \
+                          const float* v, const int64_t* offs, const int64_t* counts, int64_t d, float scale,   \
+                          float softcap, float* s, float* out, int64_t os) {                                    \
     if (d == 64)                                                                                                \
-      attend_keys<64>(q, g, k, v, n, offs, d, scale, softcap, s, out, qs, os);                                  \
+      attend_tile<64, W>(q, rs, nrows, nheads, k, v, offs, counts, d, scale, softcap, s, out, os);              \
     else if (d == 128)                                                                                          \
-      attend_keys<128>(q, g, k, v, n, offs, d, scale, softcap, s, out, qs, os);                                 \
+      attend_tile<128, W>(q, rs, nrows, nheads, k, v, offs, counts, d, scale, softcap, s, out, os);             \
     else                                                                                                        \
-      attend_keys<0>(q, g, k, v, n, offs, d, scale, softcap, s, out, qs, os);                                   \
+      attend_tile<0, W>(q, rs, nrows, nheads, k, v, offs, counts, d, scale, softcap, s, out, os);               \
   }                                                                                                             \
   ATTR void silu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<Silu>(g, u, o, n); } \
   ATTR void gelu_tanh_mul_##NAME(const float* g, const float* u, float* o, int64_t n) {                         \
@@ -339,12 +367,12 @@ struct Kernels {
   }                                                                                                             \
   ATTR void gelu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<GeluErf>(g, u, o, n); } \
   ATTR void relu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<Relu>(g, u, o, n); } \
-  const Kernels k##NAME = {#NAME, attend_##NAME, silu_mul_##NAME, gelu_tanh_mul_##NAME, gelu_mul_##NAME, relu_mul_##NAME};
+  const Kernels k##NAME = {#NAME, W, attend_##NAME, silu_mul_##NAME, gelu_tanh_mul_##NAME, gelu_mul_##NAME, relu_mul_##NAME};
 
-KERNEL_TABLE(scalar, )
+KERNEL_TABLE(scalar, , 4)
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-KERNEL_TABLE(avx2, __attribute__((target("avx2,fma"))))
-KERNEL_TABLE(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512"))))
+KERNEL_TABLE(avx2, __attribute__((target("avx2,fma"))), 8)
+KERNEL_TABLE(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512"))), 16)
 constexpr const Kernels* kAvx2 = &kavx2;
 constexpr const Kernels* kAvx512 = &kavx512;
 #else
@@ -374,25 +402,42 @@ struct KeyLists {
 };
 
 // T query rows q [T, Hq, D] (contiguous), each over its own listed keys, into out [T, Hq, D]: kv head h's keys
-// and values start at kd + h * hs and vd + h * hs. Work items are (row, kv head); rows are taken from both ends
-// in turn so that a causal prompt's short and long rows share each thread's chunk evenly.
+// and values start at kd + h * hs and vd + h * hs. Work items are tiles of one kv head: consecutive rows that
+// share their list's start (the rows of one sequence) times the head group's query heads, up to the table's
+// lanes. Tiles are taken from both ends in turn so that a causal prompt's short and long rows share each
+// thread's chunk evenly.
 void attend_listed(const Kernels* kern, const float* q, float* out, int64_t T, int64_t hq, int64_t hk, int64_t d,
                    const float* kd, const float* vd, int64_t hs, const KeyLists& keys, float scale, float softcap) {
-  const int64_t g = hq / hk;
+  const int64_t g = hq / hk, W = kern->lanes;
+  const int64_t heads = std::min(g, W), rows_per = std::max<int64_t>(1, W / g);
+  struct Tile {
+    int64_t row, nrows, head;  // head: the first query head within the group
+  };
+  std::vector<Tile> tiles;
   int64_t total = 0;
-  for (int64_t r = 0; r < T; ++r) total += keys.count[r];
-  const int64_t work = g * std::max<int64_t>(total / std::max<int64_t>(T, 1), 1) * d * 2;
+  for (int64_t r0 = 0; r0 < T;) {
+    int64_t r1 = r0 + 1;
+    while (r1 < T && r1 - r0 < rows_per && keys.first[r1] == keys.first[r0]) ++r1;
+    for (int64_t h = 0; h < g; h += heads) tiles.push_back({r0, r1 - r0, h});
+    for (int64_t r = r0; r < r1; ++r) total += keys.count[r];
+    r0 = r1;
+  }
+  const int64_t n_tiles = int64_t(tiles.size());
+  const int64_t work = g * std::max<int64_t>(total / std::max<int64_t>(T, 1), 1) * d * 2 * T / std::max<int64_t>(n_tiles, 1);
   // Split over threads only from ~0.5 M multiply-adds per chunk: below that a thread hand-off costs more than
   // it saves, and much more when the cores are oversubscribed.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(work, 1));
-  at::parallel_for(0, T * hk, grain, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, n_tiles * hk, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> s;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t k = i / hk, h = i % hk, r = k % 2 ? T - 1 - k / 2 : k / 2, n = keys.count[r];
-      s.resize(g * n);
-      const int64_t off = (r * hq + h * g) * d;
-      kern->attend(q + off, g, kd + h * hs, vd + h * hs, n, keys.offs.data() + keys.first[r], d, scale, softcap,
-                   s.data(), out + off, d, d);
+      const int64_t k = i / hk, h = i % hk;
+      const Tile& t = tiles[k % 2 ? n_tiles - 1 - k / 2 : k / 2];
+      int64_t n = 0;
+      for (int64_t r = t.row; r < t.row + t.nrows; ++r) n = std::max(n, keys.count[r]);
+      s.resize(W * n);
+      const int64_t nheads = std::min(heads, g - t.head), off = (t.row * hq + h * g + t.head) * d;
+      kern->attend(q + off, hq * d, t.nrows, nheads, kd + h * hs, vd + h * hs, keys.offs.data() + keys.first[t.row],
+                   keys.count.data() + t.row, d, scale, softcap, s.data(), out + off, hq * d);
     }
   });
 }
