@@ -17,7 +17,7 @@
 //                                            one decode token of each of B sequences: store k, v in
 //                                            its page, then paged_attention
 //
-// Every attention runs one kernel loop (attend_keys) over a list of key offsets, whatever the layout
+// Every attention runs one kernel loop (attend_tile) over a list of key offsets, whatever the layout
 // (contiguous cache, page table) and however many query rows a sequence has: a query row's result is
 // bit for bit the same alone, batched, in a prompt chunk or as a verified draft (per ISA table).
 //   act_mul(gate, up, act)                   act(gate) * up, written over gate
