@@ -77,6 +77,90 @@ def test_paged_step_attention_rejects_bad_tables(ext):
         ext.paged_step_attention(q, k, k, ks, ks.clone(), torch.tensor([[0]]), torch.tensor([5]), 4, 1.0)
 
 
+def reference_rows(q, ks, vs, slots, positions, scale, window, softcap):
+    """Plain PyTorch: query row r [Hq, D] attends over slots[:positions[r] + 1] (its sequence's slot of each
+    position), keeping the last `window` when window > 0, in float64."""
+    hq, hk = q.shape[1], ks.shape[0]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for r, p in enumerate(positions):
+        lo = max(0, p + 1 - window) if window > 0 else 0
+        keys = ks[:, slots[lo : p + 1]].double().repeat_interleave(hq // hk, 0)  # [Hq, n, D]
+        values = vs[:, slots[lo : p + 1]].double().repeat_interleave(hq // hk, 0)
+        sc = (keys @ q[r].double()[:, :, None])[..., 0] * scale
+        if softcap > 0:
+            sc = softcap * torch.tanh(sc / softcap)
+        out[r] = (torch.softmax(sc, -1)[:, None, :] @ values)[:, 0]
+    return out.float()
+
+
+@pytest.mark.parametrize("d,hq,hk,window,softcap", [(64, 9, 3, 0, 0.0), (128, 4, 2, 6, 0.0), (40, 6, 2, 0, 30.0)])
+def test_attention_rows_are_bit_identical_across_layouts_and_row_counts(ext, monkeypatch, d, hq, hk, window, softcap):
+    """One summation order for a query row over its keys, on every ISA table: the same sequence's rows give the
+    same bits whether its keys lie in consecutive pages or scattered ones, in a contiguous cache, whether a row
+    decodes alone (the one-call step's op), shares the call with other sequences, or comes with the rows before it
+    (a verified draft, a prompt chunk); and each agrees with the float64 reference within fp32 rounding."""
+    ps, length, scale = 4, 23, d**-0.5
+    keys, values = torch.randn(hk, length, d, generator=g(1)), torch.randn(hk, length, d, generator=g(2))
+    q = torch.randn(length, hq, d, generator=g(3)) * 2
+    n_pages = 16
+    layouts = {"consecutive": torch.arange(6), "scattered": torch.randperm(n_pages, generator=g(4))[:6]}
+    other = torch.randn(hk, n_pages * ps, d, generator=g(5))  # the rest of the store: another sequence's keys
+
+    def store(pages):
+        ks, vs = other.clone(), other.flip(1).clone()
+        slots = torch.tensor([int(pages[p // ps]) * ps + p % ps for p in range(length)])
+        ks[:, slots], vs[:, slots] = keys, values
+        return ks, vs, slots
+
+    want = reference_rows(q, *store(layouts["scattered"]), list(range(length)), scale, window, softcap)
+    for isa in ext.isa_names():
+        monkeypatch.setenv("EXL_CPU_ISA", isa)  # the paged ops run the "auto" table
+        results = []
+        for pages in layouts.values():
+            ks, vs, slots = store(pages)
+            table = torch.cat([pages, torch.zeros(2, dtype=torch.long)])[None]  # padded like the generator's
+            seqs = lambda n: torch.zeros(n, dtype=torch.long)  # noqa: E731
+            prompt = ext.paged_attention(q, ks, vs, table, seqs(length), torch.arange(length), ps, scale, window,
+                                         softcap)  # every row in one call (a prompt chunk)
+            drafts = ext.paged_attention(q[-5:], ks, vs, table, seqs(5), torch.arange(length - 5, length), ps, scale,
+                                         window, softcap)  # the last five rows (a decode token and four drafts)
+            # each row decoding alone: the one-call step's op, writing its own key and value first
+            kv = [(keys[None, :, p].contiguous(), values[None, :, p].contiguous()) for p in range(length)]
+            alone = torch.stack([ext.paged_step_attention(q[p : p + 1], *kv[p], ks, vs, table, torch.tensor([p + 1]),
+                                                          ps, scale, window, softcap)[0] for p in range(length)])
+            # beside another sequence of the same store (its pages reversed), both in one call
+            both = torch.cat([table, torch.arange(n_pages - 1, n_pages - 9, -1)[None]])
+            batched = ext.paged_attention(torch.cat([q[-3:], q[:4]]), ks, vs, both,
+                                          torch.tensor([0, 0, 0, 1, 1, 1, 1]),
+                                          torch.tensor([length - 3, length - 2, length - 1, 2, 9, 30, 31]), ps, scale,
+                                          window, softcap)
+            assert torch.equal(drafts, prompt[-5:]) and torch.equal(alone, prompt), isa
+            assert torch.equal(batched[:3], prompt[-3:]), isa
+            close(prompt, want, 3e-6)
+            results.append(prompt)
+        assert torch.equal(results[0], results[1]), isa  # consecutive vs scattered pages
+        # a contiguous cache ([layers, batch, kv_heads, max_len, head_dim]): prompt in one call, then row by row
+        kc, vc = torch.zeros(1, 1, hk, 32, d), torch.zeros(1, 1, hk, 32, d)
+        k4, v4 = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, T, Hk, D]
+        cont = ext.decode_attention(q[None, :-4], k4[:, :-4], v4[:, :-4], kc, vc, 0, 0, scale, window, softcap, isa)
+        rest = [ext.decode_attention(q[None, p : p + 1], k4[:, p : p + 1], v4[:, p : p + 1], kc, vc, 0, p, scale,
+                                     window, softcap, isa) for p in range(length - 4, length)]
+        assert torch.equal(torch.cat([cont, *rest], 1)[0], results[0]), isa
+
+
+def test_paged_attention_rejects_bad_rows(ext):
+    ks, q = torch.zeros(2, 16, 8), torch.zeros(2, 2, 8)
+    pages = torch.tensor([[0, 1]])
+    with pytest.raises(RuntimeError, match="sequence 1, out of range"):
+        ext.paged_attention(q, ks, ks, pages, torch.tensor([0, 1]), torch.tensor([0, 1]), 4, 1.0)
+    with pytest.raises(RuntimeError, match="position 8, sequence 0's page table holds"):
+        ext.paged_attention(q, ks, ks, pages, torch.tensor([0, 0]), torch.tensor([0, 8]), 4, 1.0)
+    with pytest.raises(RuntimeError, match="page 1 is 7"):
+        ext.paged_attention(q, ks, ks, torch.tensor([[0, 7]]), torch.tensor([0, 0]), torch.tensor([0, 5]), 4, 1.0)
+    with pytest.raises(RuntimeError, match="one per query row"):
+        ext.paged_attention(q, ks, ks, pages, torch.tensor([0]), torch.tensor([0, 1]), 4, 1.0)
+
+
 # -- whole models -------------------------------------------------------------------------------------------------------
 
 FAMILIES = ["llama", "llama-tied-bias", "llama-rope-dynamic", "mistral-window", "qwen2-window", "qwen3", "gemma3",

@@ -131,6 +131,27 @@ def test_decode_attention(ext, b, hq, hk, d, pos, window, softcap):
         close(out, reference_decode(q, kc2, vc2, 1, pos, d**-0.5, window, softcap), 1e-5)
 
 
+@pytest.mark.parametrize("pos,t,window,softcap", [(0, 5, 0, None), (30, 4, 0, None), (30, 6, 3, 5.0)])
+def test_decode_attention_of_several_rows_is_causal(ext, pos, t, window, softcap):
+    """T new tokens (a prompt chunk, drafts): each row attends over the positions up to its own."""
+    from exl.modules.attention import attention_mask
+
+    b, hq, hk, d = 2, 6, 2, 64
+    kc, vc = torch.randn(1, b, hk, 40, d, generator=g(0)), torch.randn(1, b, hk, 40, d, generator=g(1))
+    q = torch.randn(b, t, hq, d, generator=g(2)) * 2
+    k, v = torch.randn(b, t, hk, d, generator=g(3)), torch.randn(b, t, hk, d, generator=g(4))
+    for isa in isas(ext):
+        kc2, vc2 = kc.clone(), vc.clone()
+        out = ext.decode_attention(q, k, v, kc2, vc2, 0, pos, d**-0.5, window, softcap or 0.0, isa)
+        assert torch.equal(kc2[0, :, :, pos : pos + t], k.transpose(1, 2))
+        assert torch.equal(vc2[0, :, :, pos : pos + t], v.transpose(1, 2))
+        q_pos = torch.arange(pos, pos + t).expand(b, t)
+        mask = attention_mask(q_pos, torch.arange(pos + t).expand(b, pos + t), window or None)
+        want = scaled_attention(q.transpose(1, 2), kc2[0, :, :, : pos + t], vc2[0, :, :, : pos + t], scale=d**-0.5,
+                                mask=mask, softcap=softcap).transpose(1, 2)
+        close(out, want, 1e-5)
+
+
 @pytest.mark.parametrize("act", sorted(set(fused.ACT_KINDS)))
 def test_act_mul(ext, act):
     gate = torch.cat([torch.linspace(-30, 30, 1001), torch.randn(2 * 3 * 333 - 1001, generator=g(0)) * 4])

@@ -222,9 +222,6 @@ def test_a_job_that_exactly_fills_the_cache_runs(small):
     assert cache.pages_in_use == 0
 
 
-@pytest.mark.xfail(strict=False, reason="known gap (issue 11 item 4): the one-call decode step's paged attention sums "
-                   "fragmented page tables in another order than contiguous ones, so a job re-prefilled after "
-                   "preemption or batched on interleaved pages can flip a near-tied greedy token")
 def test_preemption_many_jobs_small_cache_equal_each_alone(small):
     """16 jobs whose whole lengths need 2x the cache: all start in the first step and all finish with the
     tokens each makes alone (greedy), with prefix reuse, chunked prefill and a draft-free batch."""
@@ -587,9 +584,6 @@ def smol_q4(tmp_path_factory):
     return exl.load_model(rtn_quantized(smollm2_dir(), tmp_path_factory.mktemp("smol-q4") / "m"), progress=False)
 
 
-@pytest.mark.xfail(strict=False, reason="known gap (issue 11 item 4): verification rows (several tokens of one "
-                   "sequence) run the module path's attention, plain decode the one-call step's paged attention; "
-                   "their summation orders differ, so a near-tied greedy token can flip")
 def test_quantized_smollm2_speculative_greedy_is_plain_greedy(smol_q4, tok):
     """The int8 GEMV is batch invariant by default (one summation order for every row count), so verifying drafts
     in one batch gives each row the bits it gets alone: n-gram speculative greedy decoding reproduces plain greedy

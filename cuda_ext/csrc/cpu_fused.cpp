@@ -8,11 +8,18 @@
 //                                            x; returns (s, rms_norm(s, w) or None without w)
 //   rope_(q, k, cos, sin, qw, kw, eps)       optional per-head RMSNorm, then rotate-half RoPE on
 //                                            the first cos.size(-1) channels of q and k, in place
-//   decode_attention(q, k, v, kc, vc, ...)   store k, v at `pos` of a contiguous cache, then one
-//                                            query per sequence attends over the kept keys (GQA)
+//   decode_attention(q, k, v, kc, vc, ...)   store T tokens' k, v at `pos` of a contiguous cache, then
+//                                            each query row attends causally over its kept keys (GQA)
+//   paged_attention(q, ks, vs, pages, seqs, positions, ...)
+//                                            query rows of any sequences attend causally over their
+//                                            pages of a paged store, in place (GQA)
 //   paged_step_attention(q, k, v, ks, vs, pages, lengths, ...)
 //                                            one decode token of each of B sequences: store k, v in
-//                                            its page, attend over its pages in place (GQA)
+//                                            its page, then paged_attention
+//
+// Every attention runs one kernel loop (attend_tile) over a list of key offsets, whatever the layout
+// (contiguous cache, page table) and however many query rows a sequence has: a query row's result is
+// bit for bit the same alone, batched, in a prompt chunk or as a verified draft (per ISA table).
 //   act_mul(gate, up, act)                   act(gate) * up, written over gate
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -230,72 +237,102 @@ EXL_INLINE void act_mul_span(const float* g, const float* u, float* out, int64_t
   for (int64_t i = 0; i < n; ++i) out[i] = Act::f(g[i]) * u[i];
 }
 
-// One kv head group of decode attention: g queries (row stride qs) against n keys/values (row
-// stride ld), scores in s [g, n]; out [g, d] (row stride os). D > 0 fixes the head dim at compile
-// time (fully unrolled inner loops, accumulators in registers); D = 0 reads it from d.
-// Where key j lies: `at(j)` is its row offset from `keys` / `values` (contiguous rows or a page table).
-template <int D, typename At>
-EXL_INLINE void attend_rows(const float* q, int64_t g, const float* keys, const float* values, int64_t n, At at,
-                            int64_t d_, float scale, float softcap, float* s, float* out, int64_t qs, int64_t os) {
-  const int64_t d = D > 0 ? D : d_;
+// Attention of one tile: up to W query vectors ("lanes": nrows consecutive rows x nheads query heads of one
+// kv head group) over their keys, key j at row offset offs[j] from `keys` / `values` (a contiguous cache, a
+// page table: the caller's layout is only in the offsets); row r of the tile keeps its first counts[r] keys.
+// Lane l is query head (l % nheads) of row (l / nheads): q + (l / nheads) * rs + (l % nheads) * d, written
+// to out at the same place (row stride os). s: scratch [W, max count].
+//
+// One summation order for every lane, whatever tile it lands in: a score is one sequential chain of
+// multiply-adds over the head dim (the lanes run side by side in a vector, four keys at a time, but each
+// lane's chain is its own); the softmax and the weighted sum of values run per lane over its own keys. So a
+// query's result depends only on its query, its keys and values and their count: not on where they lie,
+// how many rows its sequence brings, or what else runs beside it. D > 0 fixes the head dim at compile time.
+// W floats side by side (one vector register of a table's ISA): V in registers, U for unaligned loads/stores.
+template <int W>
+struct Lanes;
+template <>
+struct Lanes<4> {
+  typedef float V __attribute__((vector_size(16)));
+  typedef float U __attribute__((vector_size(16), aligned(4)));
+};
+template <>
+struct Lanes<8> {
+  typedef float V __attribute__((vector_size(32)));
+  typedef float U __attribute__((vector_size(32), aligned(4)));
+};
+template <>
+struct Lanes<16> {
+  typedef float V __attribute__((vector_size(64)));
+  typedef float U __attribute__((vector_size(64), aligned(4)));
+};
+
+template <int D, int W>
+EXL_INLINE void attend_tile(const float* q, int64_t rs, int64_t nrows, int64_t nheads, const float* keys,
+                            const float* values, const int64_t* offs, const int64_t* counts, int64_t d_,
+                            float scale, float softcap, float* s, float* out, int64_t os) {
+  using V = typename Lanes<W>::V;
+  using U = typename Lanes<W>::U;
+  const int64_t d = D > 0 ? D : d_, lanes = nrows * nheads;
+  int64_t n = 0;
+  for (int64_t r = 0; r < nrows; ++r) n = counts[r] > n ? counts[r] : n;
+  V qt_fixed[D > 0 ? D : 1];  // the lanes' queries, transposed: lane l of qt[i] is element i of lane l's query
+  std::vector<float> qt_any(D > 0 ? 0 : d * W);
+  float* qf = D > 0 ? reinterpret_cast<float*>(qt_fixed) : qt_any.data();
+  for (int64_t i = 0; i < d; ++i)
+    for (int64_t l = 0; l < W; ++l) qf[i * W + l] = l < lanes ? q[(l / nheads) * rs + (l % nheads) * d + i] : 0.f;
+  const U* qt = reinterpret_cast<const U*>(qf);
   int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {  // four keys at a time: four independent FMA chains per query
-    const float *k0 = keys + at(j), *k1 = keys + at(j + 1), *k2 = keys + at(j + 2), *k3 = keys + at(j + 3);
-    for (int64_t h = 0; h < g; ++h) {
-      const float* qh = q + h * qs;
-      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-      for (int64_t i = 0; i < d; ++i) {
-        a0 += qh[i] * k0[i];
-        a1 += qh[i] * k1[i];
-        a2 += qh[i] * k2[i];
-        a3 += qh[i] * k3[i];
-      }
-      float* sh = s + h * n + j;
-      sh[0] = a0 * scale, sh[1] = a1 * scale, sh[2] = a2 * scale, sh[3] = a3 * scale;
+  for (; j + 4 <= n; j += 4) {  // four keys at a time: four independent chains per lane
+    const float *k0 = keys + offs[j], *k1 = keys + offs[j + 1], *k2 = keys + offs[j + 2], *k3 = keys + offs[j + 3];
+    V a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t i = 0; i < d; ++i) {
+      a0 += qt[i] * k0[i];
+      a1 += qt[i] * k1[i];
+      a2 += qt[i] * k2[i];
+      a3 += qt[i] * k3[i];
+    }
+    for (int64_t l = 0; l < lanes; ++l) {
+      float* sl = s + l * n + j;
+      sl[0] = a0[l] * scale, sl[1] = a1[l] * scale, sl[2] = a2[l] * scale, sl[3] = a3[l] * scale;
     }
   }
   for (; j < n; ++j) {
-    const float* kj = keys + at(j);
-    for (int64_t h = 0; h < g; ++h) {
-      const float* qh = q + h * qs;
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t i = 0; i < d; ++i) acc += qh[i] * kj[i];
-      s[h * n + j] = acc * scale;
-    }
+    const float* kj = keys + offs[j];
+    V a = {};
+    for (int64_t i = 0; i < d; ++i) a += qt[i] * kj[i];
+    for (int64_t l = 0; l < lanes; ++l) s[l * n + j] = a[l] * scale;
   }
-  for (int64_t h = 0; h < g; ++h) {
-    float* sh = s + h * n;
+  for (int64_t l = 0; l < lanes; ++l) {
+    const int64_t m = counts[l / nheads];  // this lane's keys
+    float* sh = s + l * n;
     if (softcap > 0.f)
-      for (int64_t j = 0; j < n; ++j) sh[j] = softcap * std::tanh(sh[j] / softcap);
+      for (int64_t j = 0; j < m; ++j) sh[j] = softcap * std::tanh(sh[j] / softcap);
     float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < n; ++j) mx = sh[j] > mx ? sh[j] : mx;  // (std::max would not inline into the AVX2 instance)
+    for (int64_t j = 0; j < m; ++j) mx = sh[j] > mx ? sh[j] : mx;  // (std::max would not inline into the AVX2 instance)
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = 0; j < m; ++j) {
       sh[j] = exp_f32(sh[j] - mx);
       sum += sh[j];
     }
     const float inv = 1.f / sum;
-    float* oh = out + h * os;
-    if constexpr (D > 0) {  // the output row lives in registers across the loop over values
-      float acc[D] = {};
-      for (int64_t j = 0; j < n; ++j) {
+    float* oh = out + (l / nheads) * os + (l % nheads) * d;
+    if constexpr (D > 0 && D % W == 0) {  // the output row lives in registers across the loop over values
+      V acc[D / W] = {};
+      for (int64_t j = 0; j < m; ++j) {
         const float p = sh[j] * inv;
-        const float* vj = values + at(j);
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) acc[i] += p * vj[i];
+        const U* vj = reinterpret_cast<const U*>(values + offs[j]);
+        for (int64_t c = 0; c < D / W; ++c) acc[c] += p * vj[c];
       }
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) oh[i] = acc[i];
+      for (int64_t c = 0; c < D / W; ++c) *reinterpret_cast<U*>(oh + c * W) = acc[c];
     } else {
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) oh[i] = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = 0; j < m; ++j) {
         const float p = sh[j] * inv;
-        const float* vj = values + at(j);
+        const float* vj = values + offs[j];
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) oh[i] += p * vj[i];
       }
@@ -303,54 +340,27 @@ EXL_INLINE void attend_rows(const float* q, int64_t g, const float* keys, const 
   }
 }
 
-// Contiguous key rows, stride ld.
-template <int D>
-EXL_INLINE void attend_group(const float* q, int64_t g, const float* keys, const float* values, int64_t n,
-                             int64_t ld, int64_t d, float scale, float softcap, float* s, float* out, int64_t qs,
-                             int64_t os) {
-  attend_rows<D>(q, g, keys, values, n, [ld](int64_t j) { return j * ld; }, d, scale, softcap, s, out, qs, os);
-}
-
-// Key j at row offset offs[j] (a paged store: each kept position's slot times the head dim).
-template <int D>
-EXL_INLINE void attend_offsets(const float* q, int64_t g, const float* keys, const float* values, int64_t n,
-                               const int64_t* offs, int64_t d, float scale, float softcap, float* s, float* out,
-                               int64_t qs, int64_t os) {
-  attend_rows<D>(q, g, keys, values, n, [offs](int64_t j) { return offs[j]; }, d, scale, softcap, s, out, qs, os);
-}
-
-using AttendFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t, float, float,
-                          float*, float*, int64_t, int64_t);
-using AttendOffsetsFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, const int64_t*, int64_t,
-                                 float, float, float*, float*, int64_t, int64_t);
+using AttendFn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, const float*, const int64_t*,
+                          const int64_t*, int64_t, float, float, float*, float*, int64_t);
 using ActMulFn = void (*)(const float*, const float*, float*, int64_t);
 
 struct Kernels {
   const char* name;
+  int64_t lanes;  // query vectors per attention tile (one vector register's floats)
   AttendFn attend;
-  AttendOffsetsFn attend_offsets;
   ActMulFn silu_mul, gelu_tanh_mul, gelu_mul, relu_mul;
 };
 
-#define KERNEL_TABLE(NAME, ATTR)                                                                                \
-  ATTR void attend_##NAME(const float* q, int64_t g, const float* k, const float* v, int64_t n, int64_t ld,    \
-                          int64_t d, float scale, float softcap, float* s, float* out, int64_t qs, int64_t os) { \
+#define KERNEL_TABLE(NAME, ATTR, W)                                                                             \
+  ATTR void attend_##NAME(const float* q, int64_t rs, int64_t nrows, int64_t nheads, const float* k,           \
+                          const float* v, const int64_t* offs, const int64_t* counts, int64_t d, float scale,   \
+                          float softcap, float* s, float* out, int64_t os) {                                    \
     if (d == 64)                                                                                                \
-      attend_group<64>(q, g, k, v, n, ld, d, scale, softcap, s, out, qs, os);                                   \
+      attend_tile<64, W>(q, rs, nrows, nheads, k, v, offs, counts, d, scale, softcap, s, out, os);              \
     else if (d == 128)                                                                                          \
-      attend_group<128>(q, g, k, v, n, ld, d, scale, softcap, s, out, qs, os);                                  \
+      attend_tile<128, W>(q, rs, nrows, nheads, k, v, offs, counts, d, scale, softcap, s, out, os);             \
     else                                                                                                        \
-      attend_group<0>(q, g, k, v, n, ld, d, scale, softcap, s, out, qs, os);                                    \
-  }                                                                                                             \
-  ATTR void attend_offsets_##NAME(const float* q, int64_t g, const float* k, const float* v, int64_t n,        \
-                                  const int64_t* offs, int64_t d, float scale, float softcap, float* s,         \
-                                  float* out, int64_t qs, int64_t os) {                                         \
-    if (d == 64)                                                                                                \
-      attend_offsets<64>(q, g, k, v, n, offs, d, scale, softcap, s, out, qs, os);                               \
-    else if (d == 128)                                                                                          \
-      attend_offsets<128>(q, g, k, v, n, offs, d, scale, softcap, s, out, qs, os);                              \
-    else                                                                                                        \
-      attend_offsets<0>(q, g, k, v, n, offs, d, scale, softcap, s, out, qs, os);                                \
+      attend_tile<0, W>(q, rs, nrows, nheads, k, v, offs, counts, d, scale, softcap, s, out, os);               \
   }                                                                                                             \
   ATTR void silu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<Silu>(g, u, o, n); } \
   ATTR void gelu_tanh_mul_##NAME(const float* g, const float* u, float* o, int64_t n) {                         \
@@ -358,12 +368,12 @@ struct Kernels {
   }                                                                                                             \
   ATTR void gelu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<GeluErf>(g, u, o, n); } \
   ATTR void relu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<Relu>(g, u, o, n); } \
-  const Kernels k##NAME = {#NAME, attend_##NAME, attend_offsets_##NAME, silu_mul_##NAME, gelu_tanh_mul_##NAME, gelu_mul_##NAME, relu_mul_##NAME};
+  const Kernels k##NAME = {#NAME, W, attend_##NAME, silu_mul_##NAME, gelu_tanh_mul_##NAME, gelu_mul_##NAME, relu_mul_##NAME};
 
-KERNEL_TABLE(scalar, )
+KERNEL_TABLE(scalar, , 4)
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-KERNEL_TABLE(avx2, __attribute__((target("avx2,fma"))))
-KERNEL_TABLE(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512"))))
+KERNEL_TABLE(avx2, __attribute__((target("avx2,fma"))), 8)
+KERNEL_TABLE(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512"))), 16)
 constexpr const Kernels* kAvx2 = &kavx2;
 constexpr const Kernels* kAvx512 = &kavx512;
 #else
@@ -385,226 +395,241 @@ const Kernels* kernels(const std::string& name, const char* op) {
 // The name of the fused table an isa request runs ("scalar", "avx2" or "avx512").
 std::string fused_isa(const std::string& name) { return kernels(name, "fused_isa")->name; }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+// What a batch of query rows attends over: row r's keys lie at offs[first[r] + j], j < count[r], from each kv
+// head's base (the offsets are shared by the kv heads). Built by a layout (contiguous cache, page table) and
+// handed to attend_listed.
+struct KeyLists {
+  std::vector<int64_t> offs, first, count;
+};
+
+// T query rows q [T, Hq, D] (contiguous), each over its own listed keys, into out [T, Hq, D]: kv head h's keys
+// and values start at kd + h * hs and vd + h * hs. Work items are tiles of one kv head: consecutive rows that
+// share their list's start (the rows of one sequence) times the head group's query heads, up to the table's
+// lanes. Tiles are taken from both ends in turn so that a causal prompt's short and long rows share each
+// thread's chunk evenly.
+void attend_listed(const Kernels* kern, const float* q, float* out, int64_t T, int64_t hq, int64_t hk, int64_t d,
+                   const float* kd, const float* vd, int64_t hs, const KeyLists& keys, float scale, float softcap) {
+  const int64_t g = hq / hk, W = kern->lanes;
+  const int64_t heads = std::min(g, W), rows_per = std::max<int64_t>(1, W / g);
+  struct Tile {
+    int64_t row, nrows, head;  // head: the first query head within the group
+  };
+  std::vector<Tile> tiles;
+  int64_t total = 0;
+  for (int64_t r0 = 0; r0 < T;) {
+    int64_t r1 = r0 + 1;
+    while (r1 < T && r1 - r0 < rows_per && keys.first[r1] == keys.first[r0]) ++r1;
+    for (int64_t h = 0; h < g; h += heads) tiles.push_back({r0, r1 - r0, h});
+    for (int64_t r = r0; r < r1; ++r) total += keys.count[r];
+    r0 = r1;
+  }
+  const int64_t n_tiles = int64_t(tiles.size());
+  const int64_t work = g * std::max<int64_t>(total / std::max<int64_t>(T, 1), 1) * d * 2 * T / std::max<int64_t>(n_tiles, 1);
+  // Split over threads only from ~0.5 M multiply-adds per chunk: below that a thread hand-off costs more than
+  // it saves, and much more when the cores are oversubscribed.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(work, 1));
+  exl::cpu::parallel_for(0, n_tiles * hk, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> s;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t k = i / hk, h = i % hk;
+      const Tile& t = tiles[k % 2 ? n_tiles - 1 - k / 2 : k / 2];
+      int64_t n = 0;
+      for (int64_t r = t.row; r < t.row + t.nrows; ++r) n = std::max(n, keys.count[r]);
+      s.resize(W * n);
+      const int64_t nheads = std::min(heads, g - t.head), off = (t.row * hq + h * g + t.head) * d;
+      kern->attend(q + off, hq * d, t.nrows, nheads, kd + h * hs, vd + h * hs, keys.offs.data() + keys.first[t.row],
+                   keys.count.data() + t.row, d, scale, softcap, s.data(), out + off, hq * d);
+    }
+  });
+}
+
+// Store T new tokens' k, v [B, T, Hk, D] at positions pos .. pos + T - 1 of cache[layer], then each query row
+// (b, t) of q [B, T, Hq, D] attends over positions [pos + t - window + 1, pos + t] (all from 0 when window <= 0)
+// of its sequence: decode (T = 1), drafts and prompt chunks alike, through attend_listed.
+at::Tensor decode_attention(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                             at::Tensor& v_cache, int64_t layer, int64_t pos, double scale, int64_t window,
                             double softcap, const std::string& isa) {
   const char* op = "decode_attention";
-  check_f32_cpu(q, op, "q");
+  check_f32_cpu(q_, op, "q");
   check_f32_cpu(k, op, "k");
   check_f32_cpu(v, op, "v");
   check_f32_cpu(k_cache, op, "k_cache");
   check_f32_cpu(v_cache, op, "v_cache");
-  TORCH_CHECK(q.dim() == 4 && q.size(1) == 1, "exl decode_attention: q must be [batch, 1, heads, head_dim], got ",
-              q.sizes());
-  const int64_t b = q.size(0), hq = q.size(2), d = q.size(3);
+  TORCH_CHECK(q_.dim() == 4, "exl decode_attention: q must be [batch, tokens, heads, head_dim], got ", q_.sizes());
+  const int64_t b = q_.size(0), t = q_.size(1), hq = q_.size(2), d = q_.size(3);
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
               "exl decode_attention: k_cache and v_cache must be alike [layers, batch, kv_heads, max_len, head_dim], "
               "got ", k_cache.sizes(), " and ", v_cache.sizes());
   const int64_t hk = k_cache.size(2), max_len = k_cache.size(3);
   TORCH_CHECK(k_cache.size(1) == b && k_cache.size(4) == d && hk > 0 && hq % hk == 0,
-              "exl decode_attention: cache ", k_cache.sizes(), " does not fit q ", q.sizes(),
+              "exl decode_attention: cache ", k_cache.sizes(), " does not fit q ", q_.sizes(),
               " (batch, head_dim, and heads a multiple of kv_heads)");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.dim() == 4 && k.size(0) == b && k.size(1) == 1 && k.size(2) == hk &&
+  TORCH_CHECK(k.sizes() == v.sizes() && k.dim() == 4 && k.size(0) == b && k.size(1) == t && k.size(2) == hk &&
                   k.size(3) == d,
-              "exl decode_attention: k and v must be [", b, ", 1, ", hk, ", ", d, "], got ", k.sizes(), " and ",
+              "exl decode_attention: k and v must be [", b, ", ", t, ", ", hk, ", ", d, "], got ", k.sizes(), " and ",
               v.sizes());
   TORCH_CHECK(layer >= 0 && layer < k_cache.size(0), "exl decode_attention: layer ", layer, " out of range [0, ",
               k_cache.size(0), ")");
-  TORCH_CHECK(pos >= 0 && pos < max_len, "exl decode_attention: position ", pos, " out of range [0, ", max_len, ")");
-  TORCH_CHECK(k_cache.stride(4) == 1 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
-              "exl decode_attention: the head_dim of q, k, v and the cache must be contiguous");
-  const AttendFn fn = kernels(isa, op)->attend;
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, n = pos + 1 - lo;
-  const int64_t g = hq / hk, ld = k_cache.stride(3);
+  TORCH_CHECK(pos >= 0 && pos + t <= max_len, "exl decode_attention: position ", pos + t - 1, " out of range [0, ",
+              max_len, ")");
+  TORCH_CHECK(k_cache.stride(4) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "exl decode_attention: the head_dim of k, v and the cache must be contiguous");
+  const Kernels* kern = kernels(isa, op);
+  const at::Tensor q = q_.contiguous();
+  const int64_t ld = k_cache.stride(3), cs_b = k_cache.stride(1), cs_h = k_cache.stride(2);
   float* kc = k_cache.data_ptr<float>() + layer * k_cache.stride(0);
   float* vc = v_cache.data_ptr<float>() + layer * v_cache.stride(0);
-  const int64_t cs_b = k_cache.stride(1), cs_h = k_cache.stride(2);
-  const float* pq = q.data_ptr<float>();
   const float* pk = k.data_ptr<float>();
   const float* pv = v.data_ptr<float>();
-  at::Tensor out = at::empty({b, 1, hq, d}, q.options());
-  float* po = out.data_ptr<float>();
-  const float sc = float(scale), cap = float(softcap);
-  // Work items: (sequence, kv head). Split over threads only from ~0.5 M multiply-adds per chunk (long
-  // contexts, big batches): below that a thread hand-off costs more than it saves, and much more
-  // when the cores are oversubscribed.
-  const int64_t work = g * n * d * 2;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(work, 1));
-  exl::cpu::parallel_for(0, b * hk, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(g * n);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t bi = i / hk, h = i % hk;
-      float* kh = kc + bi * cs_b + h * cs_h;
-      float* vh = vc + bi * cs_b + h * cs_h;
-      const float* ks = pk + bi * k.stride(0) + h * k.stride(2);
-      const float* vs = pv + bi * v.stride(0) + h * v.stride(2);
-      std::copy(ks, ks + d, kh + pos * ld);
-      std::copy(vs, vs + d, vh + pos * ld);
-      fn(pq + bi * q.stride(0) + h * g * q.stride(2), g, kh + lo * ld, vh + lo * ld, n, ld, d, sc, cap,
-         scores.data(), po + (bi * hq + h * g) * d, q.stride(2), d);
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t ti = 0; ti < t; ++ti)
+      for (int64_t h = 0; h < hk; ++h) {
+        const float* ks = pk + bi * k.stride(0) + ti * k.stride(1) + h * k.stride(2);
+        const float* vs = pv + bi * v.stride(0) + ti * v.stride(1) + h * v.stride(2);
+        const int64_t at = bi * cs_b + h * cs_h + (pos + ti) * ld;
+        std::copy(ks, ks + d, kc + at);
+        std::copy(vs, vs + d, vc + at);
+      }
+  // Row (bi, ti) at position p = pos + ti keeps positions [lo(p), p]; the rows of one sequence share one list
+  // of offsets over [lo(pos), pos + t).
+  KeyLists keys;
+  keys.first.resize(b * t);
+  keys.count.resize(b * t);
+  const int64_t lo0 = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  for (int64_t bi = 0; bi < b; ++bi) {
+    const int64_t base = int64_t(keys.offs.size());
+    for (int64_t p = lo0; p < pos + t; ++p) keys.offs.push_back(bi * cs_b + p * ld);
+    for (int64_t ti = 0; ti < t; ++ti) {
+      const int64_t p = pos + ti, lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+      keys.first[bi * t + ti] = base + lo - lo0;
+      keys.count[bi * t + ti] = p + 1 - lo;
     }
-  });
+  }
+  at::Tensor out = at::empty({b, t, hq, d}, q.options());
+  attend_listed(kern, q.data_ptr<float>(), out.data_ptr<float>(), b * t, hq, hk, d, kc, vc, cs_h, keys, float(scale),
+                float(softcap));
   return out;
 }
 
-// Decode attention straight from a paged cache: query row rows[i] of q [T, Hq, D] attends over the
-// keys at slots kslots[i, 0:lengths[i]] (the last one its own, already written) of a float32
-// [kv_heads, slots, D] store, keeping the last `window` when window > 0; out [T, Hq, D] gets row
-// rows[i]. Each (sequence, kv head) gathers its keys and values into a thread-local buffer and runs
-// decode_attention's kernel on it: no padded table of every sequence's keys is ever built.
-void paged_decode_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& rows, const at::Tensor& k_store,
-                            const at::Tensor& v_store, const at::Tensor& kslots, const at::Tensor& lengths,
-                            double scale, int64_t window, double softcap, const std::string& isa) {
-  const char* op = "paged_decode_attention";
-  check_f32_cpu(q, op, "q");
-  check_f32_cpu(out, op, "out");
-  check_f32_cpu(k_store, op, "k_store");
-  check_f32_cpu(v_store, op, "v_store");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.sizes() == q.sizes() && out.is_contiguous(),
-              "exl paged_decode_attention: q and out must be contiguous [tokens, heads, head_dim], got ", q.sizes(),
-              " and ", out.sizes());
-  TORCH_CHECK(k_store.dim() == 3 && k_store.is_contiguous() && v_store.is_contiguous() &&
-                  v_store.sizes() == k_store.sizes(),
-              "exl paged_decode_attention: k_store and v_store must be alike contiguous [kv_heads, slots, head_dim], "
-              "got ", k_store.sizes(), " and ", v_store.sizes());
-  const int64_t hq = q.size(1), d = q.size(2), hk = k_store.size(0), n_slots = k_store.size(1);
-  TORCH_CHECK(k_store.size(2) == d && hk > 0 && hq % hk == 0, "exl paged_decode_attention: store ", k_store.sizes(),
-              " does not fit q ", q.sizes());
-  for (const auto* t : {&rows, &kslots, &lengths})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
-                "exl paged_decode_attention: rows, kslots and lengths must be contiguous int64 CPU tensors");
-  const int64_t G = rows.numel();
-  TORCH_CHECK(kslots.dim() == 2 && kslots.size(0) == G && lengths.numel() == G,
-              "exl paged_decode_attention: kslots must be [sequences, max_keys] and lengths [sequences], got ",
-              kslots.sizes(), " and ", lengths.sizes(), " for ", G, " rows");
-  const int64_t L = kslots.size(1), g = hq / hk, T = q.size(0);
-  const int64_t* pr = rows.data_ptr<int64_t>();
-  const int64_t* ps = kslots.data_ptr<int64_t>();
-  const int64_t* pl = lengths.data_ptr<int64_t>();
-  int64_t total = 0;
-  for (int64_t i = 0; i < G; ++i) {
-    TORCH_CHECK(pr[i] >= 0 && pr[i] < T, "exl paged_decode_attention: row ", pr[i], " out of range [0, ", T, ")");
-    TORCH_CHECK(pl[i] >= 1 && pl[i] <= L, "exl paged_decode_attention: length ", pl[i], " out of range [1, ", L, "]");
-    for (int64_t j = 0; j < pl[i]; ++j)
-      TORCH_CHECK(ps[i * L + j] >= 0 && ps[i * L + j] < n_slots, "exl paged_decode_attention: slot ", ps[i * L + j],
-                  " out of range [0, ", n_slots, ")");
-    total += pl[i];
+// Check a paged store pair and a page table: stores [Hk, slots, D] float32, pages [S, P] int64.
+void check_paged(const char* op, const at::Tensor& q, const at::Tensor& k_store, const at::Tensor& v_store,
+                 const at::Tensor& pages, int64_t page_size) {
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&q, "q"}, {&k_store, "k_store"},
+                                {&v_store, "v_store"}}) {
+    check_f32_cpu(*t, op, name);
+    TORCH_CHECK(t->dim() == 3 && t->is_contiguous(), "exl ", op, ": ", name, " must be contiguous and 3-d, got ",
+                t->sizes());
   }
-  const AttendFn fn = kernels(isa, op)->attend;
-  const float* pq = q.data_ptr<float>();
-  const float* kd = k_store.data_ptr<float>();
-  const float* vd = v_store.data_ptr<float>();
-  float* po = out.data_ptr<float>();
-  const float sc = float(scale), cap = float(softcap);
-  const int64_t work = g * std::max<int64_t>(total / std::max<int64_t>(G, 1), 1) * d * 4;  // gather + attend
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(work, 1));
-  exl::cpu::parallel_for(0, G * hk, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> kb, vb, s;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t gi = i / hk, h = i % hk;
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, pl[gi] - window) : 0, n = pl[gi] - lo;
-      kb.resize(n * d);
-      vb.resize(n * d);
-      s.resize(g * n);
-      const float* kh = kd + h * n_slots * d;
-      const float* vh = vd + h * n_slots * d;
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t slot = ps[gi * L + lo + j];
-        std::copy(kh + slot * d, kh + slot * d + d, kb.data() + j * d);
-        std::copy(vh + slot * d, vh + slot * d + d, vb.data() + j * d);
-      }
-      const int64_t off = (pr[gi] * hq + h * g) * d;
-      fn(pq + off, g, kb.data(), vb.data(), n, d, d, sc, cap, s.data(), po + off, d, d);
-    }
-  });
+  const int64_t hq = q.size(1), d = q.size(2), hk = k_store.size(0), n_slots = k_store.size(1);
+  TORCH_CHECK(v_store.sizes() == k_store.sizes() && k_store.size(2) == d && hk > 0 && hq % hk == 0, "exl ", op,
+              ": stores ", k_store.sizes(), " / ", v_store.sizes(), " do not fit q ", q.sizes());
+  TORCH_CHECK(pages.scalar_type() == at::kLong && pages.device().is_cpu() && pages.is_contiguous() && pages.dim() == 2,
+              "exl ", op, ": pages must be a contiguous int64 CPU [sequences, pages] table, got ", pages.scalar_type(),
+              " ", pages.sizes());
+  TORCH_CHECK(page_size > 0 && n_slots % page_size == 0, "exl ", op, ": page_size ", page_size,
+              " must divide the store's ", n_slots, " slots");
 }
 
-// One decode step of B sequences over a paged float32 store, in place: k, v [B, Hk, D] of each
-// sequence's new token are written at position lengths[b] - 1 (its slot from its row of the page table
-// pages [B, P]: position p lies at slot pages[b, p / page_size] * page_size + p % page_size of the
-// [Hk, slots, D] stores), then q [B, Hq, D] attends over positions [lengths[b] - window, lengths[b])
-// (all of them when window <= 0), reading keys and values where they lie. Returns out [B, Hq, D].
+// The key lists of T query rows over a page table: row r (sequence seq[r], at position pos[r]) keeps positions
+// [pos[r] - window + 1, pos[r]] (from 0 when window <= 0); position p of sequence s lies at slot
+// pages[s, p / page_size] * page_size + p % page_size. Consecutive rows of one sequence share one list.
+KeyLists paged_keys(const char* op, const int64_t* pp, int64_t S, int64_t P, int64_t n_pages, int64_t page_size,
+                    const int64_t* seq, const int64_t* pos, int64_t T, int64_t window, int64_t d) {
+  KeyLists keys;
+  keys.first.resize(T);
+  keys.count.resize(T);
+  for (int64_t r0 = 0; r0 < T;) {
+    const int64_t s = seq[r0];
+    TORCH_CHECK(s >= 0 && s < S, "exl ", op, ": row ", r0, " belongs to sequence ", s, ", out of range [0, ", S, ")");
+    int64_t r1 = r0, lo0 = INT64_MAX, hi = 0;
+    for (; r1 < T && seq[r1] == s; ++r1) {
+      TORCH_CHECK(pos[r1] >= 0 && pos[r1] < P * page_size, "exl ", op, ": row ", r1, " is at position ", pos[r1],
+                  ", sequence ", s, "'s page table holds [0, ", P * page_size, ")");
+      lo0 = std::min(lo0, window > 0 ? std::max<int64_t>(0, pos[r1] - window + 1) : int64_t(0));
+      hi = std::max(hi, pos[r1] + 1);
+    }
+    const int64_t base = int64_t(keys.offs.size());
+    for (int64_t p = lo0; p < hi;) {  // page by page
+      const int64_t start = p / page_size * page_size, end = std::min(hi, start + page_size), page = pp[s * P + p / page_size];
+      TORCH_CHECK(page >= 0 && page < n_pages, "exl ", op, ": sequence ", s, " page ", p / page_size, " is ", page,
+                  ", out of range [0, ", n_pages, ")");
+      for (const int64_t shift = page * page_size - start; p < end; ++p) keys.offs.push_back((shift + p) * d);
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos[r] - window + 1) : 0;
+      keys.first[r] = base + lo - lo0;
+      keys.count[r] = pos[r] + 1 - lo;
+    }
+    r0 = r1;
+  }
+  return keys;
+}
+
+// Attention of T query rows q [T, Hq, D] straight from a paged float32 store [Hk, slots, D] (keys and values
+// already written): row r of sequence seqs[r] at position positions[r] attends over its sequence's positions
+// [positions[r] - window + 1, positions[r]] through its row of the page table pages [S, P]. Decode rows,
+// verified drafts and prompt chunks alike; returns out [T, Hq, D].
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_store, const at::Tensor& v_store,
+                           const at::Tensor& pages, const at::Tensor& seqs, const at::Tensor& positions,
+                           int64_t page_size, double scale, int64_t window, double softcap) {
+  const char* op = "paged_attention";
+  check_paged(op, q, k_store, v_store, pages, page_size);
+  const int64_t T = q.size(0), hq = q.size(1), d = q.size(2), hk = k_store.size(0), n_slots = k_store.size(1);
+  for (const auto* t : {&seqs, &positions})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->device().is_cpu() && t->is_contiguous() && t->numel() == T,
+                "exl paged_attention: seqs and positions must be contiguous int64 CPU tensors of ", T,
+                " entries (one per query row), got ", t->scalar_type(), " ", t->sizes());
+  const KeyLists keys = paged_keys(op, pages.data_ptr<int64_t>(), pages.size(0), pages.size(1), n_slots / page_size,
+                                   page_size, seqs.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), T, window, d);
+  at::Tensor out = at::empty({T, hq, d}, q.options());
+  attend_listed(kernels("auto", op), q.data_ptr<float>(), out.data_ptr<float>(), T, hq, hk, d,
+                k_store.data_ptr<float>(), v_store.data_ptr<float>(), n_slots * d, keys, float(scale), float(softcap));
+  return out;
+}
+
+// One decode step of B sequences over a paged float32 store, in place: k, v [B, Hk, D] of each sequence's new
+// token are written at position lengths[b] - 1 (its slot from its row of the page table pages [B, P]), then
+// paged_attention's rows: q [B, Hq, D], row b of sequence b at position lengths[b] - 1. Returns out [B, Hq, D].
 at::Tensor paged_step_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_store,
                                 at::Tensor& v_store, const at::Tensor& pages, const at::Tensor& lengths,
                                 int64_t page_size, double scale, int64_t window, double softcap) {
   const char* op = "paged_step_attention";
-  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&q, "q"}, {&k, "k"}, {&v, "v"},
-                                {&k_store, "k_store"}, {&v_store, "v_store"}}) {
-    check_f32_cpu(*t, op, name);
-    TORCH_CHECK(t->dim() == 3 && t->is_contiguous(), "exl paged_step_attention: ", name,
-                " must be contiguous and 3-d, got ", t->sizes());
-  }
+  check_paged(op, q, k_store, v_store, pages, page_size);
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2), hk = k_store.size(0), n_slots = k_store.size(1);
-  TORCH_CHECK(v_store.sizes() == k_store.sizes() && k_store.size(2) == d && hk > 0 && hq % hk == 0,
-              "exl paged_step_attention: stores ", k_store.sizes(), " / ", v_store.sizes(), " do not fit q ",
-              q.sizes());
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == b && k.size(1) == hk && k.size(2) == d,
-              "exl paged_step_attention: k and v must be [", b, ", ", hk, ", ", d, "], got ", k.sizes(), " and ",
-              v.sizes());
-  TORCH_CHECK(pages.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && pages.is_contiguous() &&
-                  lengths.is_contiguous() && pages.dim() == 2 && pages.size(0) == b && lengths.numel() == b,
-              "exl paged_step_attention: pages must be contiguous int64 [", b, ", pages] and lengths int64 [", b,
-              "], got ", pages.sizes(), " and ", lengths.sizes());
-  TORCH_CHECK(page_size > 0 && n_slots % page_size == 0, "exl paged_step_attention: page_size ", page_size,
-              " must divide the store's ", n_slots, " slots");
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&k, "k"}, {&v, "v"}}) {
+    check_f32_cpu(*t, op, name);
+    TORCH_CHECK(t->is_contiguous() && t->dim() == 3 && t->size(0) == b && t->size(1) == hk && t->size(2) == d,
+                "exl paged_step_attention: ", name, " must be contiguous [", b, ", ", hk, ", ", d, "], got ",
+                t->sizes());
+  }
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() && pages.size(0) == b &&
+                  lengths.numel() == b,
+              "exl paged_step_attention: pages must be [", b, ", pages] and lengths int64 [", b, "], got ",
+              pages.sizes(), " and ", lengths.sizes());
   const int64_t P = pages.size(1), n_pages = n_slots / page_size;
   const int64_t* pp = pages.data_ptr<int64_t>();
   const int64_t* pl = lengths.data_ptr<int64_t>();
-  int64_t total = 0;
+  std::vector<int64_t> seq(b), pos(b);
   for (int64_t i = 0; i < b; ++i) {
     TORCH_CHECK(pl[i] >= 1 && pl[i] <= P * page_size, "exl paged_step_attention: sequence ", i, " has length ", pl[i],
                 ", its page table holds [1, ", P * page_size, "]");
-    for (int64_t j = 0; j < (pl[i] + page_size - 1) / page_size; ++j)
-      TORCH_CHECK(pp[i * P + j] >= 0 && pp[i * P + j] < n_pages, "exl paged_step_attention: sequence ", i, " page ",
-                  j, " is ", pp[i * P + j], ", out of range [0, ", n_pages, ")");
-    total += pl[i];
+    seq[i] = i, pos[i] = pl[i] - 1;
   }
-  const Kernels* kern = kernels("auto", op);
+  const KeyLists keys = paged_keys(op, pp, b, P, n_pages, page_size, seq.data(), pos.data(), b, window, d);
   float* kd = k_store.data_ptr<float>();
   float* vd = v_store.data_ptr<float>();
   const float* pk = k.data_ptr<float>();
   const float* pv = v.data_ptr<float>();
   for (int64_t i = 0; i < b; ++i) {  // store the new keys and values first (a sequence attends to its own)
-    const int64_t p = pl[i] - 1, slot = pp[i * P + p / page_size] * page_size + p % page_size;
+    const int64_t p = pos[i], slot = pp[i * P + p / page_size] * page_size + p % page_size;
     for (int64_t h = 0; h < hk; ++h) {
       std::copy(pk + (i * hk + h) * d, pk + (i * hk + h + 1) * d, kd + (h * n_slots + slot) * d);
       std::copy(pv + (i * hk + h) * d, pv + (i * hk + h + 1) * d, vd + (h * n_slots + slot) * d);
     }
   }
-  // Row offsets of every kept key (shared by the kv heads), walking each page table once.
-  std::vector<int64_t> first(b + 1, 0), offs;
-  offs.reserve(total);
-  for (int64_t i = 0; i < b; ++i) {
-    const int64_t lo = window > 0 ? std::max<int64_t>(0, pl[i] - window) : 0;
-    for (int64_t p = lo; p < pl[i];) {
-      const int64_t start = p / page_size * page_size, end = std::min(pl[i], start + page_size);
-      const int64_t shift = pp[i * P + p / page_size] * page_size - start;  // slot of position p: shift + p
-      for (; p < end; ++p) offs.push_back((shift + p) * d);
-    }
-    first[i + 1] = int64_t(offs.size());
-  }
   at::Tensor out = at::empty({b, hq, d}, q.options());
-  const float* pq = q.data_ptr<float>();
-  float* po = out.data_ptr<float>();
-  const int64_t g = hq / hk;
-  const float sc = float(scale), cap = float(softcap);
-  const int64_t work = g * std::max<int64_t>(total / std::max<int64_t>(b, 1), 1) * d * 2;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(work, 1));
-  exl::cpu::parallel_for(0, b * hk, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> s;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t bi = i / hk, h = i % hk, n = first[bi + 1] - first[bi];
-      s.resize(g * n);
-      const int64_t off = (bi * hq + h * g) * d;
-      const int64_t* o = offs.data() + first[bi];
-      const float* kh = kd + h * n_slots * d;
-      const float* vh = vd + h * n_slots * d;
-      if (o[n - 1] - o[0] == (n - 1) * d)  // one run of consecutive slots (pages allocated in a row): plain rows
-        kern->attend(pq + off, g, kh + o[0], vh + o[0], n, d, d, sc, cap, s.data(), po + off, d, d);
-      else
-        kern->attend_offsets(pq + off, g, kh, vh, n, o, d, sc, cap, s.data(), po + off, d, d);
-    }
-  });
+  attend_listed(kernels("auto", op), q.data_ptr<float>(), out.data_ptr<float>(), b, hq, hk, d, kd, vd, n_slots * d,
+                keys, float(scale), float(softcap));
   return out;
 }
 
@@ -655,12 +680,13 @@ void register_fused(py::module_& m) {
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("layer"), py::arg("pos"), py::arg("scale"), py::arg("window") = 0,
         py::arg("softcap") = 0.0, py::arg("isa") = "auto",
-        "Store k, v at pos of cache[layer], then single-query GQA attention over positions [pos-window+1, pos]");
-  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("out"), py::arg("rows"),
-        py::arg("k_store"), py::arg("v_store"), py::arg("kslots"), py::arg("lengths"), py::arg("scale"),
-        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("isa") = "auto",
-        py::call_guard<py::gil_scoped_release>(),
-        "Single-query GQA attention of q rows over their keys in a paged [kv_heads, slots, head_dim] store");
+        "Store k, v [B, T, Hk, D] at pos.. of cache[layer], then causal GQA attention of each query row over "
+        "positions [p-window+1, p] (p: its position)");
+  m.def("paged_attention", &paged_attention, py::arg("q"), py::arg("k_store"), py::arg("v_store"), py::arg("pages"),
+        py::arg("seqs"), py::arg("positions"), py::arg("page_size"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0, py::call_guard<py::gil_scoped_release>(),
+        "GQA attention of q rows [T, Hq, D], row r of sequence seqs[r] at positions[r], over its sequence's pages "
+        "of a [kv_heads, slots, head_dim] store, causally (the keys and values already written)");
   m.def("paged_step_attention", &paged_step_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_store"),
         py::arg("v_store"), py::arg("pages"), py::arg("lengths"), py::arg("page_size"), py::arg("scale"),
         py::arg("window") = 0, py::arg("softcap") = 0.0, py::call_guard<py::gil_scoped_release>(),

@@ -1,6 +1,6 @@
 // Torch bindings of the CPU kernels: layer validation, the forward pipeline of docs/format.md
 // §1.4 (sign flip + FWHT, perm gather, fused dequant-matmul, FWHT + sign flip, bias), threading
-// with at::parallel_for and the run-time choice of instruction set.
+// with exl::cpu::parallel_for (cpu_pool.h) and the run-time choice of instruction set.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor (lighter than torch/extension.h)

@@ -45,7 +45,7 @@ class KVCacheContext(AttentionContext):
 
     def attend(self, layer, q, k, v, *, scale, window=None, softcap=None):
         c = self.cache
-        if q.shape[1] == 1 and c.k.dtype is torch.float32:  # decode: store and attend in one call
+        if c.k.dtype is torch.float32:  # store and attend in one call (the paged cache's kernel and order)
             ext = fused.ops(q)
             if ext is not None:
                 return ext.decode_attention(q, k, v, c.k, c.v, layer, self.start, scale, window or 0, softcap or 0.0)

@@ -468,9 +468,12 @@ class PagedContext(AttentionContext):
     """One forward pass over a packed batch: `input_ids` is [1, total], the new tokens of every sequence in
     order. segments: (table, n) pairs; sequence i contributes n tokens at positions table.length .. + n
     (pages for them must already exist: PagedCache.extend). Keys and values are written to their slots, then
-    sequences attend over their own pages: short segments of many sequences (decode steps, drafts) together in
-    one batched op over their gathered keys (see BATCHED_MAX_KEYS); other segments (prompt chunks) one by one,
-    in place (runs of consecutive slots are views, not copies)."""
+    sequences attend over their own pages. Over a float32 store with the fused ops on, every row of the pass
+    attends in one C++ call that reads the pages in place, in the one summation order of every attention path
+    (cpu_fused.cpp): a row's output is the same bits whether it decodes alone, batched, in a prompt chunk or as a
+    verified draft. Otherwise (quantized or float16 stores, the reference path): short segments of many sequences
+    (decode steps, drafts) together in one batched op over their gathered keys (see BATCHED_MAX_KEYS); other
+    segments (prompt chunks) one by one, in place (runs of consecutive slots are views, not copies)."""
 
     def __init__(self, cache: PagedCache, segments: list[tuple[PageTable, int]]):
         self.cache = cache
@@ -518,15 +521,7 @@ class PagedContext(AttentionContext):
             return None
         if any(n != 1 for n in self.counts):
             return None
-        tables = self.tables
-        if len(tables) == 1:
-            pages = torch.tensor([tables[0].pages], dtype=torch.long)
-        else:
-            pages = np.zeros((len(tables), max(len(t.pages) for t in tables)), dtype=np.int64)
-            for i, t in enumerate(tables):
-                pages[i, : len(t.pages)] = t.pages
-            pages = torch.from_numpy(pages)
-        return c.k.data, c.v.data, pages, self.positions[0] + 1, c.page_size
+        return c.k.data, c.v.data, self.rows[0], self.positions[0] + 1, c.page_size
 
     def _mask(self, i: int, window: int | None, runs):
         """Boolean [n, kept keys] for segment i; None when every query sees every kept key; "causal" for a
@@ -549,16 +544,34 @@ class PagedContext(AttentionContext):
     def _batch(self) -> "_Batched | None":
         """This forward pass's batched group (built on first use, from `segments` alone); None if too few qualify."""
         if "_batched" not in self.__dict__:
-            c = self.cache  # one decode row over a float32 store also goes through the in-place C++ op
-            in_place = fused.enabled() and c.device.type == "cpu" and type(c.k) is FloatStore \
-                and c.k.data.dtype is torch.float32
-            self._batched = _Batched.build(self.segments, self.cache.device, single=in_place)
+            self._batched = _Batched.build(self.segments, self.cache.device)
         return self._batched
+
+    @cached_property
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the C++ paged attention reads: the page tables [S, P], each new token's sequence and position."""
+        tables = self.tables
+        pages = np.zeros((len(tables), max(len(t.pages) for t in tables)), dtype=np.int64)
+        for i, t in enumerate(tables):
+            pages[i, : len(t.pages)] = t.pages
+        seqs = np.repeat(np.arange(len(tables), dtype=np.int64), self.counts)
+        return torch.from_numpy(pages), torch.from_numpy(seqs), self.positions[0].cpu()
+
+    def _in_place(self, q) -> bool:
+        """Every row attends in one C++ call, reading a float32 store where it lies (cpu_fused.cpp's
+        paged_attention: the decode step's kernel and summation order for prompt chunks and drafts too)."""
+        c = self.cache
+        return fused.ops(q) is not None and c.device.type == "cpu" and type(c.k) is FloatStore \
+            and type(c.v) is FloatStore and c.k.data.dtype is torch.float32 and c.v.data.dtype is torch.float32
 
     def attend(self, layer, q, k, v, *, scale, window=None, softcap=None):
         c = self.cache
         c.k.write(layer, self.slots, k[0])
         c.v.write(layer, self.slots, v[0])
+        if self._in_place(q):
+            pages, seqs, pos = self.rows
+            return fused.ops(q).paged_attention(q[0], c.k.data[layer], c.v.data[layer], pages, seqs, pos,
+                                                c.page_size, scale, window or 0, softcap or 0.0)[None]
         if c.k.rotated:
             q = q @ c.rotation_c
         out = torch.empty_like(q)
@@ -597,16 +610,14 @@ class _Batched:
         flat = rows.reshape(-1)  # rows r0, r0 + 1, ... (decode steps come first in a batch): slices, not gathers
         self.span = (int(flat[0]), int(flat[0]) + len(flat)) if self.nq == 1 and (np.diff(flat) == 1).all() else None
         self.q_pos, self.device = q_pos, device
-        self.lengths = torch.from_numpy(np.ascontiguousarray(q_pos[:, -1] + 1))
         self._bias: dict = {}
         self._bufs = None
 
     @staticmethod
-    def build(segments, device, single: bool = False) -> "_Batched | None":
-        """single: a group of one decode row is worth it too (the in-place C++ op serves it)."""
+    def build(segments, device) -> "_Batched | None":
         members = [i for i, (_, n, start, _) in enumerate(segments)
                    if n <= BATCHED_MAX_QUERIES and start + n <= BATCHED_MAX_KEYS]
-        if len(members) < 2 and not (single and len(members) == 1 and segments[members[0]][1] == 1):
+        if len(members) < 2:
             return None
         g, nq = len(members), max(segments[i][1] for i in members)
         L = max(segments[i][1] + segments[i][2] for i in members)
@@ -638,12 +649,6 @@ class _Batched:
         """q, out: [total, Hq, D] of the packed batch; fills the group's rows of out."""
         g, nq, L = self.g, self.nq, self.L
         hq, d = q.shape[1], q.shape[2]
-        ext = fused.ops(q) if nq == 1 and self.device.type == "cpu" else None
-        if ext is not None and type(c.k) is FloatStore and c.k.data.dtype is torch.float32 and q.is_contiguous():
-            # one query per sequence over a float32 store: read the keys where they lie (cpu_fused.cpp)
-            ext.paged_decode_attention(q, out, self.rows, c.k.data[layer], c.v.data[layer], self.kslots.view(g, L),
-                                       self.lengths, scale, window or 0, softcap or 0.0)
-            return
         hkv = c.config.num_kv_heads
         grp = hq // hkv
         if self._bufs is None or self._bufs[0].dtype != q.dtype:
