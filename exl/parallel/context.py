@@ -131,7 +131,8 @@ def _register_paged() -> None:
     def describe_paged(ctx: PagedContext, key_of):
         c = ctx.cache
         return dict(key=key_of(c), num_pages=c.num_pages, page_size=c.page_size, k_bits=c.k_bits, v_bits=c.v_bits,
-                    dtype=c.dtype, positions=ctx.positions.cpu(), slots=ctx.slots.cpu(), segments=ctx.segments)
+                    dtype=c.dtype, positions=ctx.positions.cpu(), slots=ctx.slots.cpu(), segments=ctx.segments,
+                    rows=ctx.rows)  # page tables and rows for the in-place float32 attention (PagedContext.rows)
 
     def rebuild_paged(s, mirror: Mirrors):
         def make(config, device):
@@ -143,6 +144,7 @@ def _register_paged() -> None:
         ctx = PagedContext.__new__(PagedContext)
         AttentionContext.__init__(ctx, s["positions"].to(cache.device))
         ctx.cache, ctx.slots, ctx.segments, ctx._masks = cache, s["slots"].to(cache.device), s["segments"], {}
+        ctx.rows = s["rows"]  # (a cached_property: this sets its value)
         ctx._decode_batch = None  # no page tables here: a follower's blocks run one by one
         return ctx
 
