@@ -163,3 +163,19 @@ def test_ngram_index_proposes_the_latest_continuation():
     ids = np.array([5, 6, 7, 8, 9, 1, 5, 6, 7, 2, 3, 4, 5, 6, 7])
     assert idx.propose(ids, 3) == [2, 3, 4]  # the latest earlier "5 6 7" continued with 2 3 4
     assert idx.propose(np.array([1, 2, 3]), 2) == []
+
+
+@pytest.mark.parametrize("settings", [SamplerSettings.greedy(), SamplerSettings(temperature=0.7, top_p=0.8, min_p=0.05)])
+def test_nan_logits_never_let_a_masked_token_through(settings):
+    """A NaN logit (a broken model row, or inf - inf in a penalty) must not poison the distribution: softmax would
+    turn every probability into NaN and argmax would pick any token, one a constraint forbids included (the
+    schemathesis fuzz of /v1/completions once got a 500 that way)."""
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    logits[[3, 40]] = torch.nan
+    mask = torch.zeros(64, dtype=torch.bool)
+    mask[[5, 7, 40]] = True
+    for seed in range(20):
+        probs = dist(logits.tolist(), settings, rng_seed=seed, mask=mask)
+        assert not torch.isnan(probs).any()
+        assert set(torch.nonzero(probs).flatten().tolist()) <= {5, 7}
+        assert draw(probs, torch.Generator().manual_seed(seed)) in (5, 7)

@@ -202,7 +202,8 @@ def process(logits: torch.Tensor, state: SamplerState, context: np.ndarray, rng:
         x[state.banned] = -torch.inf
     if extra_banned:
         x[torch.tensor(list(extra_banned), dtype=torch.long, device=x.device)] = -torch.inf
-    if mask is not None:
+    x = torch.nan_to_num(x, nan=-torch.inf)  # a NaN (from the logits or inf - inf in a penalty) would poison softmax
+    if mask is not None:  # and let argmax pick any token, one the constraint forbids included
         x = x.masked_fill(~mask[: state.vocab], -torch.inf)
     if not torch.isfinite(x).any():
         x = torch.zeros_like(x) if mask is None else torch.where(mask[: state.vocab], 0.0, -torch.inf)
