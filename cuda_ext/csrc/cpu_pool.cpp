@@ -26,7 +26,7 @@ namespace exl {
 namespace cpu {
 namespace {
 
-constexpr int64_t kSpinsBeforeYield = 1 << 14;  // pauses (~2-5 ms) before a waiting thread starts to yield
+constexpr int64_t kSpinsBeforeYield = 1 << 14;  // pauses (~1 ms) before a waiting thread starts to yield
 
 struct Region {
   ChunkFn fn;
@@ -51,18 +51,22 @@ thread_local Team* tl_team = nullptr;    // set on the thread running a run_team
 thread_local bool tl_in_chunk = false;   // inside a chunk: nested parallel_for runs serially
 std::atomic<int64_t> g_regions{0};
 
+struct InChunk {  // marks this thread as running a chunk for its lifetime
+  InChunk() { tl_in_chunk = true; }
+  ~InChunk() { tl_in_chunk = false; }
+};
+
 void Region::work() {
   int64_t i;
   while ((i = next.fetch_add(1, std::memory_order_acq_rel)) < nchunks) {
     const int64_t b = begin + i * chunk;
-    tl_in_chunk = true;
     try {
+      InChunk in_chunk;
       fn(ctx, b, std::min(end, b + chunk));
     } catch (...) {
       std::lock_guard<std::mutex> lock(error_mutex);
       if (!error) error = std::current_exception();
     }
-    tl_in_chunk = false;
     done.fetch_add(1, std::memory_order_acq_rel);
   }
 }
@@ -114,14 +118,8 @@ void parallel_run(int64_t begin, int64_t end, int64_t grain, ChunkFn fn, void* c
   const int64_t n = end - begin;
   const int64_t threads = tl_team->threads;
   if (n <= grain || n == 1 || threads == 1) {
-    tl_in_chunk = true;
-    try {
-      fn(ctx, begin, end);
-    } catch (...) {
-      tl_in_chunk = false;
-      throw;
-    }
-    tl_in_chunk = false;
+    InChunk in_chunk;
+    fn(ctx, begin, end);
     return;
   }
   int64_t parts = threads;
