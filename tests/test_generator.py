@@ -13,7 +13,8 @@ import transformers
 import exl
 from exl.cache.contiguous import KVCache
 from exl.generator import AsyncGenerator, AsyncJob, CacheCapacityError, Generator, Job, PagedCache, SamplerSettings
-from exl.generator.constraints import JsonSchemaConstraint, RegexConstraint
+from exl.generator.constraints import (ConstraintError, ConstraintUnsatisfiable, JsonSchemaConstraint,
+                                      RegexConstraint)
 from exl.tokenizer import Tokenizer
 
 GREEDY = SamplerSettings.greedy()
@@ -352,7 +353,8 @@ def test_json_schema_constraint_always_parses(wide, tok):
         assert all(t in ("red", "green", "blue") for t in obj["tags"]) and len(obj["tags"]) <= 3
 
 
-# A regex whose mask lets through a token that llguidance then refuses to consume (found by the server engineer).
+# Regexes whose text SmolLM2's vocabulary cannot spell (it has no token for the bytes 0xf5 / 0xf2): llguidance's mask
+# offers a token that it then refuses to consume (found by the server engineer and by schema fuzzing).
 BAD_REGEX = '\u00f7\x99\u00b1\u00b9\x01\u00f74\x078\x00\u00d5\x13 _\u00f5\u00da'
 
 
@@ -373,7 +375,8 @@ def test_a_constraint_error_ends_only_its_job(wide, tok):
     g, b = good(), bad()
     events = run_all(gen, [g, b])
     final = events[b][-1]
-    assert final.eos and final.eos_reason == "error" and "not allowed" in final.error
+    assert final.eos and final.eos_reason == "error" and "cannot produce" in final.error
+    assert final.error_code == b.error_code == "constraint_unsatisfiable"  # the request's fault: a 4xx in the server
     assert b.eos_reason == "error" and b.error == final.error
     assert sum(e.eos for e in events[b]) == 1
     assert events[g][-1].eos_reason == "max_new_tokens" and events[g][-1].error is None
@@ -395,6 +398,22 @@ def test_a_constraint_error_ends_only_its_job(wide, tok):
     assert b_evs[-1].eos_reason == "error" and err is None
     for evs in (g_evs, after):
         assert [t for e in evs for t in e.token_ids] == solo.generated and evs[-1].eos_reason == "max_new_tokens"
+
+
+@pytest.mark.parametrize("pattern", ["\U000b3510", "a\U000b3510b"])
+def test_a_regex_the_vocabulary_cannot_spell_is_reported_as_such(wide, tok, pattern):
+    job = Job(tok.encode("hi", add_bos=False), max_new_tokens=8, constraint=RegexConstraint(tok, pattern), seed=0)
+    run_all(Generator(wide, PagedCache(wide, num_pages=8, page_size=16), tok), [job])
+    assert job.eos_reason == "error" and job.error_code == "constraint_unsatisfiable", job.error
+    assert "vocabulary cannot produce" in job.error
+
+
+def test_a_token_outside_the_mask_is_an_internal_error_not_the_requests(tok):
+    state = RegexConstraint(tok, "ab").start()
+    assert not state.mask()[tok.encode("z", add_bos=False)[0]]
+    with pytest.raises(ConstraintError, match="was not allowed") as e:
+        state.advance(tok.encode("z", add_bos=False)[0])
+    assert not isinstance(e.value, ConstraintUnsatisfiable)
 
 
 def test_top_logprobs_and_text_events(wide, tok):

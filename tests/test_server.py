@@ -326,6 +326,17 @@ def test_json_schema_output_parses(client):
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+def test_a_regex_the_vocabulary_cannot_spell_is_a_400_not_a_500(client):
+    # SmolLM2 has no token for the byte 0xf2 that starts U+B3510 (found by schema fuzzing as a 500)
+    ask = dict(model="smol", prompt="Say:", max_tokens=8, extra_body={"regex_pattern": "\U000b3510"})
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**ask)
+    assert e.value.code == "constraint_unsatisfiable" and "vocabulary cannot produce" in str(e.value)
+    with pytest.raises(openai.APIError) as e:  # streaming: the headers are out, the stream ends with an error event
+        list(client.completions.create(**ask, stream=True))
+    assert e.value.code == "constraint_unsatisfiable" and "vocabulary cannot produce" in str(e.value)
+
+
 def test_extra_samplers_are_applied(client):
     base = dict(model="smol", prompt="1, 2, 3, 4, 5,", temperature=0, max_tokens=10)
     plain = client.completions.create(**base).choices[0].text

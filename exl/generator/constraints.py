@@ -26,6 +26,13 @@ class ConstraintError(ExlError):
     """A schema, regex or grammar is invalid."""
 
 
+class ConstraintUnsatisfiable(ConstraintError):
+    """A valid constraint needs text that no token of this model's vocabulary can produce (e.g. a byte the
+    tokenizer has no token for): the request cannot be served as asked, which is the client's to change."""
+
+    code = "constraint_unsatisfiable"
+
+
 def _llguidance():
     try:
         import llguidance  # noqa: F401
@@ -132,16 +139,32 @@ class ConstraintState:
         self.vocab = constraint.tokenizer.vocab_size
         self._bits = np.full(((self.vocab + 31) // 32,), -1, dtype=np.int32)
         self._shifts = torch.arange(32, dtype=torch.int32)
+        self._masked = False  # _bits hold the mask of the current position
 
     def mask(self) -> torch.Tensor:
         """bool [vocab]: True where the next token is allowed."""
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        self._masked = True
         bits = torch.from_numpy(self._bits)
-        return ((bits[:, None] >> self._shifts) & 1).flatten()[: self.vocab].bool()
+        mask = ((bits[:, None] >> self._shifts) & 1).flatten()[: self.vocab].bool()
+        if not mask.any() and not self.matcher.is_stopped():
+            raise ConstraintUnsatisfiable(f"{self.constraint}: no token of this model's vocabulary can continue the "
+                                          f"output here ({self._why()})")
+        return mask
 
     def advance(self, token: int) -> None:
-        if not self.matcher.consume_token(int(token)):
-            raise ConstraintError(f"{self.constraint}: token {token} was not allowed ({self.matcher.get_error()})")
+        token = int(token)
+        allowed = self._masked and 0 <= token < self.vocab and (int(self._bits[token // 32]) >> (token % 32)) & 1
+        self._masked = False
+        if not self.matcher.consume_token(token):
+            if allowed:  # llguidance offered it, then refused it: the text it forces has bytes no token spells
+                raise ConstraintUnsatisfiable(f"{self.constraint}: the output must continue with text this model's "
+                                              f"vocabulary cannot produce ({self._why()})")
+            raise ConstraintError(f"{self.constraint}: token {token} was not allowed ({self._why()})")
+
+    def _why(self) -> str:
+        error = (self.matcher.get_error() or "").strip().splitlines()
+        return error[0] if error else "no further detail"
 
     def rollback(self, n: int) -> None:
         if n and not self.matcher.rollback(n):

@@ -687,6 +687,7 @@ class Generator:
         except Exception:  # noqa: BLE001 - the text could not be flushed; end it without
             self._finish(job, "error", flush=False)
         job.error = job._run.ev().error = message
+        job.error_code = job._run.ev().error_code = getattr(error, "code", None)
 
     def _take_event(self, job: Job) -> Event:
         ev = job._run.ev()

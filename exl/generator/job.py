@@ -81,6 +81,7 @@ class Job:
         self.generated: list[int] = []
         self.eos_reason: str | None = None
         self.error: str | None = None  # why the job ended with eos_reason "error"
+        self.error_code: str | None = None  # and, when it is the request's to change, a code for it
         self.text = ""  # all text emitted so far
 
     @property
@@ -117,6 +118,7 @@ class Event:
     drafted_tokens: int | None = None
     accepted_draft_tokens: int | None = None
     error: str | None = None  # with eos_reason "error": what went wrong (only this job ended)
+    error_code: str | None = None  # set when the request caused it, e.g. "constraint_unsatisfiable"
 
     def __getitem__(self, key: str):
         return getattr(self, key)

@@ -345,6 +345,9 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing", drain
                 ended.add(index)
                 if event.eos_reason == "error":
                     message = getattr(event, "error", None) or "unknown error"
+                    if event.error_code is not None:  # the request asked for what cannot be done: a 4xx
+                        metrics.requests.labels("error").inc()
+                        raise APIError(400, f"choice {index}: {message}", code=event.error_code)
                     log.warning("choice %d failed in the generator: %s", index, message)
                     metrics.requests.labels("error").inc()
                     raise APIError(500, f"generation of choice {index} failed: {message}", "server_error",
