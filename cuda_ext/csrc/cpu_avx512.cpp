@@ -35,7 +35,6 @@ namespace v256 {
 constexpr int kQuad = 4;                   // blocks per quad
 constexpr int kQuadBytes = kQuad * kBlock;  // int8 activations of a quad: 64 bytes lo + 64 hi
 constexpr int kMaxRows = 16;                // activation rows per pass over the weights
-constexpr int kRegRows = 4;                 // up to this many: codes stay in registers (row_tile)
 
 // All bits up to n (0 <= n <= 64) of a byte mask.
 EXL_INLINE __mmask64 byte_mask(int n) {
@@ -123,68 +122,143 @@ EXL_INLINE __m512i dot_quad(__m512i lo, __m512i hi, __m512i xlo, __m512i xhi) {
   return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
 }
 
-EXL_INLINE __m512 spread4(__m128 v) {  // lane 4t+i = v[t]
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(v));
+// ---------------------------------------------------------------------------------------------
+// The summation order (one for every number of activation rows: batch invariance).
+//
+// A segment's blocks are taken in runs of 16 (4 quads) from its first block; a run's last quad may
+// be partial. Per (weight row, activation row) pair the result is accumulated in one 16-lane fp32
+// vector `acc`:
+//   - a run of 4 quads adds its 16 blocks at once: acc = fma(float(dots), sw * d, acc), where
+//     lane 4t+q of dots is the exact int32 dot product of the run's block 4q+t ("run lanes"),
+//     sw the block's weight scale and d its activation step (0 past the segment's end);
+//   - a run of 1-3 quads (a segment's tail) adds quad by quad: acc = fma(float(D), cs, acc), where
+//     D holds the quad's four int32 partial sums per block (dot_quad) and cs = sw * d of each
+//     lane's block;
+//   - after the last segment: y = (sum of the 16 lanes of acc - the grid centre's share).
+// Only these fp32 steps fix the bits. The int32 dot products are exact (|dot| < 2^24, so even the
+// conversion is exact), so the paths may compute them any way: one activation row sums the quads'
+// partial sums in int32 (sum_quads); several rows share the run's codes, unpacked and transposed
+// once into run lanes, and take 8 vpdpbusd per row (unpack_run).
+
+// Block of a run in run lane l (l = 4t + q: quad q, 128-bit lane t).
+constexpr int run_block(int lane) { return 4 * (lane % 4) + lane / 4; }
+
+// out[i], lane 4t+q = in[q], lane 4t+i (a 4x4 transpose of the dwords of each 128-bit lane).
+EXL_INLINE void transpose4(const __m512i (&in)[4], __m512i* out) {
+  const __m512i t0 = _mm512_unpacklo_epi32(in[0], in[1]), t1 = _mm512_unpackhi_epi32(in[0], in[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(in[2], in[3]), t3 = _mm512_unpackhi_epi32(in[2], in[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// The run's block dot products in run lanes from the four quads' partial sums (dot_quad): lane
+// 4t+q = the sum of D[q]'s lanes 4t..4t+3.
+EXL_INLINE __m512i sum_quads(const __m512i (&D)[4]) {
+  const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(D[0], D[1]), _mm512_unpackhi_epi32(D[0], D[1]));
+  const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(D[2], D[3]), _mm512_unpackhi_epi32(D[2], D[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+
+// The two fp32 steps of the order above, shared by every path.
+EXL_INLINE __m512 add_run(__m512 acc, __m512i dots, __m512 cs) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), cs, acc);
+}
+EXL_INLINE __m512 add_quad(__m512 acc, __m512i D, __m512 cs, int q) {  // cs in run lanes, spread to quad q's
+  const __m512i spread = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12), _mm512_set1_epi32(q));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(D), _mm512_permutexvar_ps(spread, cs), acc);
+}
+
+// A run's codes in run lanes, for several activation rows: C[i] (i < 4), lane 4t+q = dword i of
+// lo of quad q, lane t; C[4 + i] the same of hi. With the activations in the same order,
+// sum_i vpdpbusd(C[i], X[i]) is the run's block dot products in run lanes. nb: blocks of the last quad.
+template <int BITS, bool FULL>
+EXL_INLINE void unpack_run(const uint8_t* p, int nb, __m512i (&C)[8]) {
+  constexpr int qb = kQuad * 4 * BITS;
+  if constexpr (BITS == 4) {  // transpose the packed bytes (nibble planes per dword), then split nibbles
+    const __m512i z[4] = {_mm512_loadu_si512(p), _mm512_loadu_si512(p + 64), _mm512_loadu_si512(p + 128),
+                          FULL ? _mm512_loadu_si512(p + 192) : _mm512_maskz_loadu_epi8(byte_mask(nb * 16), p + 192)};
+    __m512i w[4];
+    transpose4(z, w);
+    const __m512i m = _mm512_set1_epi8(0x0f);
+    for (int i = 0; i < 4; ++i) {
+      C[i] = _mm512_and_si512(w[i], m);
+      C[4 + i] = _mm512_and_si512(_mm512_srli_epi16(w[i], 4), m);
+    }
+  } else {
+    __m512i lo[4], hi[4];
+    for (int q = 0; q < 3; ++q) unpack_quad<BITS, true>(p + q * qb, kQuad, lo[q], hi[q]);
+    unpack_quad<BITS, FULL>(p + 3 * qb, nb, lo[3], hi[3]);
+    transpose4(lo, C);
+    transpose4(hi, C + 4);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Per-call preparation: the activation rows in quad order, and what every row tile shares.
+// Per-call preparation: the activation rows in the kernels' order, and what every row tile shares.
 
 struct Prep {
   int quad_start[kMaxSegments + 1];  // first quad of each segment; the last entry is the total
-  int64_t quads;
-  int M;         // activation rows
-  int8_t* x;     // [quads][M][kQuadBytes]: quad q of row m at (q * M + m) * kQuadBytes
-  float* gsc;    // [M][gstride]: code centre * ActQ8::gsum per group, row by row
+  int run_start[kMaxSegments + 1];   // first run of each segment (global run index); the last: total
+  int64_t quads, runs;
+  int M;          // activation rows
+  bool run_lanes;  // several rows: the activations of runs of 4 quads in run lanes (8 x 64 bytes)
+  int8_t* x;      // [M][quads * kQuadBytes]: quad q of row m at (m * quads + q) * kQuadBytes, quad order
+                  // (codes 0-15 of block t in lane t, then 16-31), or per run of 4 quads transposed
+                  // as by unpack_run when run_lanes
+  float* dl;      // [M][runs * 16]: the activation steps in run lanes, 0 past a segment's end
+  float* gsc;     // [M][gstride]: code centre * ActQ8::gsum per group, row by row
   int64_t gstride;
-  // the segments' blocks in runs of 16 (4 quads); run u of segment s (global index run_start[s] + u)
-  // spans groups run_g[.] .. and run_idx[.][j] is block j's group counted from there
-  int run_start[kMaxSegments + 1];
+  // run r spans groups run_g[r] ..; run_idx[r][l] is the group of the block in run lane l counted from there
   int32_t* run_g;
   int32_t* run_idx;
-  const float* d;  // the activation steps [M][K / 32]
 };
 
 thread_local std::vector<uint8_t> tl_buf;
 
-Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M) {
+Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M, bool run_lanes) {
   Prep P;
   P.M = M;
-  P.quads = 0;
+  P.run_lanes = run_lanes;
+  P.quads = P.runs = 0;
   for (int s = 0; s < L.segs.count; ++s) {
     P.quad_start[s] = int(P.quads);
+    P.run_start[s] = int(P.runs);
     P.quads += (L.segs.seg[s].k_len / kBlock + kQuad - 1) / kQuad;
+    P.runs += (L.segs.seg[s].k_len / kBlock + 15) / 16;
   }
   P.quad_start[L.segs.count] = int(P.quads);
+  P.run_start[L.segs.count] = int(P.runs);
   P.gstride = (L.n_groups + 15) & ~int64_t(15);
-  const size_t xb = size_t(M) * P.quads * kQuadBytes, gb = size_t(M) * P.gstride * 4;
-  int runs = 0;
-  for (int s = 0; s < L.segs.count; ++s) {
-    P.run_start[s] = runs;
-    runs += (L.segs.seg[s].k_len / kBlock + 15) / 16;
-  }
-  P.run_start[L.segs.count] = runs;
-  const size_t rb = size_t(runs) * 17 * 4;
-  if (tl_buf.size() < xb + gb + rb + 64) tl_buf.resize(xb + gb + rb + 64);
+  const size_t xb = size_t(M) * P.quads * kQuadBytes, db = size_t(M) * P.runs * 16 * 4,
+               gb = size_t(M) * P.gstride * 4, rb = size_t(P.runs) * 17 * 4;
+  if (tl_buf.size() < xb + db + gb + rb + 64) tl_buf.resize(xb + db + gb + rb + 64);
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(tl_buf.data()) + 63) & ~uintptr_t(63));
   P.x = reinterpret_cast<int8_t*>(base);
-  P.gsc = reinterpret_cast<float*>(base + xb);
-  P.run_idx = reinterpret_cast<int32_t*>(base + xb + gb);
-  P.run_g = P.run_idx + size_t(runs) * 16;
-  P.d = a.d + m0 * (L.K / kBlock);
+  P.dl = reinterpret_cast<float*>(base + xb);
+  P.gsc = reinterpret_cast<float*>(base + xb + db);
+  P.run_idx = reinterpret_cast<int32_t*>(base + xb + db + gb);
+  P.run_g = P.run_idx + size_t(P.runs) * 16;
   for (int s = 0; s < L.segs.count; ++s) {
     const Segment& sg = L.segs.seg[s];
     const int blocks = sg.k_len / kBlock, per = sg.group_size / kBlock;
     for (int u = 0; u * 16 < blocks; ++u) {
       const int r = P.run_start[s] + u, g0 = 16 * u / per;
       P.run_g[r] = g0;
-      for (int j = 0; j < 16; ++j) P.run_idx[r * 16 + j] = 16 * u + j < blocks ? (16 * u + j) / per - g0 : 0;
+      for (int l = 0; l < 16; ++l) {
+        const int b = 16 * u + run_block(l);
+        P.run_idx[r * 16 + l] = b < blocks ? b / per - g0 : 0;
+      }
     }
   }
+  const int64_t nbk = L.K / kBlock;
   const __m512i ilo = _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), ihi = _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15);
   for (int m = 0; m < M; ++m) {
     const int8_t* xq = a.q + (m0 + m) * L.K;
-    int8_t* xa = P.x + m * kQuadBytes;
+    const float* d = a.d + (m0 + m) * nbk;
+    int8_t* xa = P.x + m * P.quads * kQuadBytes;
+    float* dl = P.dl + m * P.runs * 16;
     for (int s = 0; s < L.segs.count; ++s) {
       const Segment& sg = L.segs.seg[s];
       const int blocks = sg.k_len / kBlock;
@@ -194,13 +268,27 @@ Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M) {
         const int8_t* src = xq + b * kBlock;
         const __m512i A = _mm512_maskz_loadu_epi8(byte_mask(n * kBlock), src);
         const __m512i B = _mm512_maskz_loadu_epi8(byte_mask(n * kBlock - 64), src + 64);
-        const int64_t qi = P.quad_start[s] + q;
-        _mm512_store_si512(xa + qi * M * kQuadBytes, _mm512_permutex2var_epi64(A, ilo, B));
-        _mm512_store_si512(xa + qi * M * kQuadBytes + 64, _mm512_permutex2var_epi64(A, ihi, B));
+        int8_t* dst = xa + (P.quad_start[s] + q) * kQuadBytes;
+        _mm512_store_si512(dst, _mm512_permutex2var_epi64(A, ilo, B));
+        _mm512_store_si512(dst + 64, _mm512_permutex2var_epi64(A, ihi, B));
       }
-    }
-    for (int s = 0; s < L.segs.count; ++s) {
-      const Segment& sg = L.segs.seg[s];
+      for (int u = 0; u * 16 < blocks; ++u) {
+        if (run_lanes && blocks - 16 * u > 12) {  // a run of 4 quads: into run lanes, as unpack_run
+          int8_t* r = xa + (P.quad_start[s] + 4 * u) * kQuadBytes;
+          __m512i lo[4], hi[4], t[8];
+          for (int q = 0; q < 4; ++q) {
+            lo[q] = _mm512_load_si512(r + q * kQuadBytes);
+            hi[q] = _mm512_load_si512(r + q * kQuadBytes + 64);
+          }
+          transpose4(lo, t);
+          transpose4(hi, t + 4);
+          for (int i = 0; i < 8; ++i) _mm512_store_si512(r + 64 * i, t[i]);
+        }
+        for (int l = 0; l < 16; ++l) {
+          const int b = 16 * u + run_block(l);
+          dl[(P.run_start[s] + u) * 16 + l] = b < blocks ? d[sg.k_start / kBlock + b] : 0.0f;
+        }
+      }
       const float c = code_offset(sg.bits);
       for (int g = sg.group_start; g < sg.group_start + sg.k_len / sg.group_size; ++g)
         P.gsc[m * P.gstride + g] = c * a.gsum[(m0 + m) * L.n_groups + g];
@@ -209,67 +297,11 @@ Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M) {
   return P;
 }
 
-// ---------------------------------------------------------------------------------------------
-// NR weight rows against MR activation rows (mo .. mo + MR - 1 of the Prep), codes unpacked once
-// into registers. The arithmetic of one (weight row, activation row) pair is the same for every NR
-// and MR, so a row's result does not depend on the batch (see gemv_q8).
-
-// Per run of 16 blocks, each row's combined block scales (weight scale of the block's group times
-// the activation step) are built in one vector (16 fp16 scales converted at once, permuted to the
-// blocks), then spread to each quad's lanes by a permute.
-// XS: the Prep's row count when known at compile time (a call of at most kRegRows rows), else 0.
-template <int BITS, int NR, int MR, int XS>
-EXL_INLINE void row_segment(const Layer& L, const Prep& P, int s, int64_t n, int mo, __m512 (&acc)[NR][MR]) {
-  const Segment& sg = L.segs.seg[s];
-  const int64_t xs = XS ? XS : P.M;
-  const int blocks = sg.k_len / kBlock, seg_groups = sg.k_len / sg.group_size;
-  const int64_t nbk_all = L.K / kBlock;
-  const int8_t* xa = P.x + (int64_t(P.quad_start[s]) * xs + mo) * kQuadBytes;
-  const float* dseg = P.d + mo * nbk_all + sg.k_start / kBlock;
-  const uint8_t* w[NR];
-  const uint16_t* sr[NR];
-  for (int r = 0; r < NR; ++r) {
-    w[r] = L.qweight + (n + r) * L.row_bytes + sg.byte_start;
-    sr[r] = L.qscale + (n + r) * L.n_groups + sg.group_start;
-  }
-  constexpr int qb = kQuad * 4 * BITS;  // packed bytes of a quad
-  const __m512i base = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  for (int u = 0; 16 * u < blocks; ++u) {
-    const int run = P.run_start[s] + u, b0 = 16 * u;
-    const int nbk = blocks - b0 < 16 ? blocks - b0 : 16;
-    const int g0 = P.run_g[run], gc = seg_groups - g0 < 16 ? seg_groups - g0 : 16;
-    const __m512i idx = _mm512_load_si512(P.run_idx + int64_t(run) * 16);
-    __m512 cs[NR][MR];
-    for (int r = 0; r < NR; ++r) {
-      const __m512 sw = _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(__mmask16((1u << gc) - 1), sr[r] + g0)));
-      for (int m = 0; m < MR; ++m)
-        cs[r][m] = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(__mmask16((1u << nbk) - 1), dseg + m * nbk_all + b0));
-    }
-    auto step = [&](int k, int nb, auto full) EXL_INLINE_LAMBDA {
-      constexpr bool F = decltype(full)::value;
-      const int q = 4 * u + k;
-      __m512i xlo[MR], xhi[MR];
-      for (int m = 0; m < MR; ++m) {
-        xlo[m] = _mm512_load_si512(xa + (q * xs + m) * kQuadBytes);
-        xhi[m] = _mm512_load_si512(xa + (q * xs + m) * kQuadBytes + 64);
-      }
-      const __m512i spread = _mm512_add_epi32(base, _mm512_set1_epi32(4 * k));
-      for (int r = 0; r < NR; ++r) {
-        __m512i lo, hi;
-        unpack_quad<BITS, F>(w[r] + int64_t(q) * qb, nb, lo, hi);
-        for (int m = 0; m < MR; ++m)
-          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_quad(lo, hi, xlo[m], xhi[m])),
-                                      _mm512_permutexvar_ps(spread, cs[r][m]), acc[r][m]);
-      }
-    };
-    if (nbk == 16) {
-      for (int k = 0; k < 4; ++k) step(k, kQuad, std::true_type());
-    } else {
-      int k = 0;
-      for (; 4 * (k + 1) <= nbk; ++k) step(k, kQuad, std::true_type());
-      if (4 * k < nbk) step(k, nbk - 4 * k, std::false_type());
-    }
-  }
+// The weight scales of run `run` in run lanes (sr: the row's scales from the segment's first group).
+EXL_INLINE __m512 run_scales(const Prep& P, const uint16_t* sr, int run, int seg_groups) {
+  const int g0 = P.run_g[run], gc = seg_groups - g0 < 16 ? seg_groups - g0 : 16;
+  const __m512i idx = _mm512_load_si512(P.run_idx + int64_t(run) * 16);
+  return _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(__mmask16((1u << gc) - 1), sr + g0)));
 }
 
 // sum_g s[g] * gsc[g] over a row's n_groups scales (the grid centre's share), in a vector.
@@ -282,87 +314,200 @@ EXL_INLINE __m512 centre_row(const uint16_t* srow, const float* gsc, int64_t n_g
   return c;
 }
 
-template <int NR, int MR, int XS>
-void row_tile(const Layer& L, const Prep& P, float* y, int64_t ldy, int64_t n, int mo) {
-  __m512 acc[NR][MR];
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int s = 0; s < L.segs.count; ++s) {
-    switch (L.segs.seg[s].bits) {
-      case 1: row_segment<1, NR, MR, XS>(L, P, s, n, mo, acc); break;
-      case 2: row_segment<2, NR, MR, XS>(L, P, s, n, mo, acc); break;
-      case 3: row_segment<3, NR, MR, XS>(L, P, s, n, mo, acc); break;
-      case 4: row_segment<4, NR, MR, XS>(L, P, s, n, mo, acc); break;
-      case 5: row_segment<5, NR, MR, XS>(L, P, s, n, mo, acc); break;
-      case 6: row_segment<6, NR, MR, XS>(L, P, s, n, mo, acc); break;
-      case 7: row_segment<7, NR, MR, XS>(L, P, s, n, mo, acc); break;
-      default: row_segment<8, NR, MR, XS>(L, P, s, n, mo, acc); break;
+// The end of the order: y = sum of acc's lanes minus the grid centre's share.
+EXL_INLINE float finish(const Layer& L, const Prep& P, __m512 acc, int64_t n, int m) {
+  return _mm512_reduce_add_ps(_mm512_sub_ps(acc, centre_row(L.qscale + n * L.n_groups, P.gsc + m * P.gstride, L.n_groups)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// One activation row: NR weight rows in registers, each quad unpacked and dotted as it comes.
+
+template <int BITS, int NR>
+EXL_INLINE void one_row_segment(const Layer& L, const Prep& P, int s, int64_t n, __m512 (&acc)[NR]) {
+  const Segment& sg = L.segs.seg[s];
+  const int blocks = sg.k_len / kBlock, seg_groups = sg.k_len / sg.group_size;
+  const int8_t* xa = P.x + int64_t(P.quad_start[s]) * kQuadBytes;
+  const uint8_t* w[NR];
+  const uint16_t* sr[NR];
+  for (int r = 0; r < NR; ++r) {
+    w[r] = L.qweight + (n + r) * L.row_bytes + sg.byte_start;
+    sr[r] = L.qscale + (n + r) * L.n_groups + sg.group_start;
+  }
+  constexpr int qb = kQuad * 4 * BITS;  // packed bytes of a quad
+  for (int u = 0; 16 * u < blocks; ++u) {
+    const int run = P.run_start[s] + u, nbk = blocks - 16 * u < 16 ? blocks - 16 * u : 16;
+    const __m512 dl = _mm512_load_ps(P.dl + int64_t(run) * 16);
+    __m512 cs[NR];
+    for (int r = 0; r < NR; ++r) cs[r] = _mm512_mul_ps(run_scales(P, sr[r], run, seg_groups), dl);
+    // the partial sums of quad 4u + k for every weight row
+    auto quad = [&](int k, int nb, auto full, __m512i (&D)[NR]) EXL_INLINE_LAMBDA {
+      const int q = 4 * u + k;
+      const __m512i xlo = _mm512_load_si512(xa + q * kQuadBytes), xhi = _mm512_load_si512(xa + q * kQuadBytes + 64);
+      for (int r = 0; r < NR; ++r) {
+        __m512i lo, hi;
+        unpack_quad<BITS, decltype(full)::value>(w[r] + int64_t(q) * qb, nb, lo, hi);
+        D[r] = dot_quad(lo, hi, xlo, xhi);
+      }
+    };
+    if (nbk > 12) {  // a run of 4 quads: its block dot products summed in int32, one fp32 step
+      __m512i D[4][NR];
+      for (int k = 0; k < 3; ++k) quad(k, kQuad, std::true_type(), D[k]);
+      if (nbk == 16)
+        quad(3, kQuad, std::true_type(), D[3]);
+      else
+        quad(3, nbk - 12, std::false_type(), D[3]);
+      for (int r = 0; r < NR; ++r) acc[r] = add_run(acc[r], sum_quads({D[0][r], D[1][r], D[2][r], D[3][r]}), cs[r]);
+    } else {  // a segment's tail of 1-3 quads: one fp32 step per quad
+      for (int k = 0; 4 * k < nbk; ++k) {
+        __m512i D[NR];
+        if (4 * k + 4 <= nbk)
+          quad(k, kQuad, std::true_type(), D);
+        else
+          quad(k, nbk - 4 * k, std::false_type(), D);
+        for (int r = 0; r < NR; ++r) acc[r] = add_quad(acc[r], D[r], cs[r], k);
+      }
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    const uint16_t* srow = L.qscale + (n + r) * L.n_groups;
-    for (int m = 0; m < MR; ++m)
-      y[(mo + m) * ldy + n + r] =
-          _mm512_reduce_add_ps(_mm512_sub_ps(acc[r][m], centre_row(srow, P.gsc + (mo + m) * P.gstride, L.n_groups)));
-  }
 }
 
-// A call of MR (<= kRegRows) activation rows: weight rows in tiles of NR.
-template <int NR, int MR>
-void gemv_rows(const Layer& L, const Prep& P, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  v256::prefetch_range(L.qweight + n0 * L.row_bytes,
-                       std::min<int64_t>((n1 - n0) * L.row_bytes, v256::kPrefetchBytes));
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) {
-    v256::prefetch_rows(L, n, NR, n1);
-    row_tile<NR, MR, MR>(L, P, y, ldy, n, 0);
-  }
-  for (; n < n1; ++n) row_tile<1, MR, MR>(L, P, y, ldy, n, 0);
-}
-
-// Activation rows mo .. mo + mr - 1 (mr <= kRegRows) of a larger call against weight rows n .. n + NR - 1.
 template <int NR>
-EXL_INLINE void row_group(const Layer& L, const Prep& P, float* y, int64_t ldy, int64_t n, int mo, int mr) {
-  switch (mr) {
-    case 1: row_tile<NR, 1, 0>(L, P, y, ldy, n, mo); break;
-    case 2: row_tile<NR, 2, 0>(L, P, y, ldy, n, mo); break;
-    case 3: row_tile<NR, 3, 0>(L, P, y, ldy, n, mo); break;
-    default: row_tile<NR, 4, 0>(L, P, y, ldy, n, mo); break;
+void one_row_tile(const Layer& L, const Prep& P, float* y, int64_t n) {
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int s = 0; s < L.segs.count; ++s) {
+    switch (L.segs.seg[s].bits) {
+      case 1: one_row_segment<1, NR>(L, P, s, n, acc); break;
+      case 2: one_row_segment<2, NR>(L, P, s, n, acc); break;
+      case 3: one_row_segment<3, NR>(L, P, s, n, acc); break;
+      case 4: one_row_segment<4, NR>(L, P, s, n, acc); break;
+      case 5: one_row_segment<5, NR>(L, P, s, n, acc); break;
+      case 6: one_row_segment<6, NR>(L, P, s, n, acc); break;
+      case 7: one_row_segment<7, NR>(L, P, s, n, acc); break;
+      default: one_row_segment<8, NR>(L, P, s, n, acc); break;
+    }
+  }
+  for (int r = 0; r < NR; ++r) y[n + r] = finish(L, P, acc[r], n + r, 0);
+}
+
+void gemv_one_row(const Layer& L, const Prep& P, float* y, int64_t n0, int64_t n1) {
+  v256::prefetch_range(L.qweight + n0 * L.row_bytes, std::min<int64_t>((n1 - n0) * L.row_bytes, v256::kPrefetchBytes));
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    v256::prefetch_rows(L, n, 4, n1);
+    one_row_tile<4>(L, P, y, n);
+  }
+  for (; n < n1; ++n) one_row_tile<1>(L, P, y, n);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Several activation rows (2 .. kMaxRows): per tile of NR weight rows and per run, the codes are
+// unpacked once (into run lanes, or per tail quad) and every activation row is dotted against them;
+// the rows' accumulators live in L1 (acc[r][m]).
+
+template <int BITS, int NR>
+EXL_INLINE void many_rows_segment(const Layer& L, const Prep& P, int s, int64_t n, __m512 (*acc)[kMaxRows]) {
+  const Segment& sg = L.segs.seg[s];
+  const int blocks = sg.k_len / kBlock, seg_groups = sg.k_len / sg.group_size;
+  const int M = P.M;
+  const int64_t xrow = P.quads * kQuadBytes, drow = P.runs * 16;
+  const int8_t* xa = P.x + int64_t(P.quad_start[s]) * kQuadBytes;
+  const uint8_t* w[NR];
+  const uint16_t* sr[NR];
+  for (int r = 0; r < NR; ++r) {
+    w[r] = L.qweight + (n + r) * L.row_bytes + sg.byte_start;
+    sr[r] = L.qscale + (n + r) * L.n_groups + sg.group_start;
+  }
+  constexpr int qb = kQuad * 4 * BITS;
+  for (int u = 0; 16 * u < blocks; ++u) {
+    const int run = P.run_start[s] + u, nbk = blocks - 16 * u < 16 ? blocks - 16 * u : 16;
+    __m512 sw[NR];
+    for (int r = 0; r < NR; ++r) sw[r] = run_scales(P, sr[r], run, seg_groups);
+    if (nbk > 12) {
+      __m512i C[NR][8];
+      for (int r = 0; r < NR; ++r) {
+        if (nbk == 16)
+          unpack_run<BITS, true>(w[r] + int64_t(4 * u) * qb, kQuad, C[r]);
+        else
+          unpack_run<BITS, false>(w[r] + int64_t(4 * u) * qb, nbk - 12, C[r]);
+      }
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = xa + m * xrow + int64_t(4 * u) * kQuadBytes;
+        const __m512 dl = _mm512_load_ps(P.dl + m * drow + int64_t(run) * 16);
+        __m512i e[NR], o[NR];  // two chains of vpdpbusd per weight row (int32: their sum is exact)
+        for (int r = 0; r < NR; ++r) e[r] = o[r] = _mm512_setzero_si512();
+        for (int i = 0; i < 8; i += 2) {
+          const __m512i x0 = _mm512_load_si512(x + 64 * i), x1 = _mm512_load_si512(x + 64 * i + 64);
+          for (int r = 0; r < NR; ++r) {
+            e[r] = _mm512_dpbusd_epi32(e[r], C[r][i], x0);
+            o[r] = _mm512_dpbusd_epi32(o[r], C[r][i + 1], x1);
+          }
+        }
+        for (int r = 0; r < NR; ++r) acc[r][m] = add_run(acc[r][m], _mm512_add_epi32(e[r], o[r]), _mm512_mul_ps(sw[r], dl));
+      }
+    } else {
+      for (int k = 0; 4 * k < nbk; ++k) {
+        const int q = 4 * u + k, nb = nbk - 4 * k < kQuad ? nbk - 4 * k : kQuad;
+        __m512i lo[NR], hi[NR];
+        for (int r = 0; r < NR; ++r) {
+          if (nb == kQuad)
+            unpack_quad<BITS, true>(w[r] + int64_t(q) * qb, kQuad, lo[r], hi[r]);
+          else
+            unpack_quad<BITS, false>(w[r] + int64_t(q) * qb, nb, lo[r], hi[r]);
+        }
+        for (int m = 0; m < M; ++m) {
+          const int8_t* x = xa + m * xrow + int64_t(q) * kQuadBytes;
+          const __m512i xlo = _mm512_load_si512(x), xhi = _mm512_load_si512(x + 64);
+          const __m512 dl = _mm512_load_ps(P.dl + m * drow + int64_t(run) * 16);
+          for (int r = 0; r < NR; ++r)
+            acc[r][m] = add_quad(acc[r][m], dot_quad(lo[r], hi[r], xlo, xhi), _mm512_mul_ps(sw[r], dl), k);
+        }
+      }
+    }
   }
 }
 
-// More than kRegRows rows: weight rows in tiles of 2; per tile, the activation rows in groups of up
-// to kRegRows (the tile's packed bytes stay in L1 between groups: the weights are read from memory
-// once per call, unpacked once per group).
-void gemv_rows_many(const Layer& L, const Prep& P, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  v256::prefetch_range(L.qweight + n0 * L.row_bytes,
-                       std::min<int64_t>((n1 - n0) * L.row_bytes, v256::kPrefetchBytes));
+template <int NR>
+void many_rows_tile(const Layer& L, const Prep& P, float* y, int64_t ldy, int64_t n) {
+  __m512 acc[NR][kMaxRows];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < P.M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int s = 0; s < L.segs.count; ++s) {
+    switch (L.segs.seg[s].bits) {
+      case 1: many_rows_segment<1, NR>(L, P, s, n, acc); break;
+      case 2: many_rows_segment<2, NR>(L, P, s, n, acc); break;
+      case 3: many_rows_segment<3, NR>(L, P, s, n, acc); break;
+      case 4: many_rows_segment<4, NR>(L, P, s, n, acc); break;
+      case 5: many_rows_segment<5, NR>(L, P, s, n, acc); break;
+      case 6: many_rows_segment<6, NR>(L, P, s, n, acc); break;
+      case 7: many_rows_segment<7, NR>(L, P, s, n, acc); break;
+      default: many_rows_segment<8, NR>(L, P, s, n, acc); break;
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < P.M; ++m) y[m * ldy + n + r] = finish(L, P, acc[r][m], n + r, m);
+}
+
+void gemv_many_rows(const Layer& L, const Prep& P, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  v256::prefetch_range(L.qweight + n0 * L.row_bytes, std::min<int64_t>((n1 - n0) * L.row_bytes, v256::kPrefetchBytes));
   int64_t n = n0;
   for (; n + 2 <= n1; n += 2) {
     v256::prefetch_rows(L, n, 2, n1);
-    for (int mo = 0; mo < P.M; mo += kRegRows) row_group<2>(L, P, y, ldy, n, mo, std::min(kRegRows, P.M - mo));
+    many_rows_tile<2>(L, P, y, ldy, n);
   }
-  for (; n < n1; ++n)
-    for (int mo = 0; mo < P.M; mo += kRegRows) row_group<1>(L, P, y, ldy, n, mo, std::min(kRegRows, P.M - mo));
+  for (; n < n1; ++n) many_rows_tile<1>(L, P, y, ldy, n);
 }
 
-// Batch invariance: one summation order for every batch size. Each (weight row, activation row)
-// pair is computed by the same register code (row_tile: only the addressing differs between
-// NR, MR and XS), so a row's result is bit for bit the same alone or among any others
-// (speculative decoding verifies drafts in one batch and so reproduces plain greedy decoding
-// exactly).
+// Batch invariance: every path follows the one order above, so a row's result is bit for bit the
+// same alone or among any others (speculative decoding verifies drafts in one batch and so
+// reproduces plain greedy decoding exactly). Rows go in passes of up to kMaxRows.
 void gemv_q8(const Layer& L, const ActQ8& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   for (int64_t m0 = 0; m0 < a.M; m0 += kMaxRows) {
     const int M = int(a.M - m0 < kMaxRows ? a.M - m0 : kMaxRows);
-    const Prep P = prepare(L, a, m0, M);
-    float* ym = y + m0 * ldy;
-    switch (M) {
-      case 1: gemv_rows<4, 1>(L, P, ym, ldy, n0, n1); break;
-      case 2: gemv_rows<4, 2>(L, P, ym, ldy, n0, n1); break;
-      case 3: gemv_rows<2, 3>(L, P, ym, ldy, n0, n1); break;
-      case 4: gemv_rows<2, 4>(L, P, ym, ldy, n0, n1); break;
-      default: gemv_rows_many(L, P, ym, ldy, n0, n1); break;
-    }
+    const Prep P = prepare(L, a, m0, M, M > 1);
+    if (M == 1)
+      gemv_one_row(L, P, y + m0 * ldy, n0, n1);
+    else
+      gemv_many_rows(L, P, y + m0 * ldy, ldy, n0, n1);
   }
 }
 
