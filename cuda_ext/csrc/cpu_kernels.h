@@ -55,6 +55,8 @@ struct Kernels {
   // sign bits applied before (signs_first) or after the transform.
   void (*fwht)(float* x, int64_t rows, int64_t n, int64_t ld, int64_t block, const uint8_t* signs,
                bool signs_first);
+  // gemv_q8 reads ActQ8::qp for several rows (the caller builds it only then).
+  bool uses_pairs;
 };
 
 const Kernels* scalar_kernels();

@@ -144,7 +144,8 @@ class QuantLinearCPU : public LinearCPU {
       float* bsumf = scratch<float>(buf, used, size_t(M) * (nb + 8));
       const void* pp = perm_.defined() ? perm_.data_ptr() : nullptr;
       const int pb = perm_.defined() ? int(perm_.element_size()) : 0;
-      for (int64_t m = 0; m < M; ++m) {
+      int8_t* qp = M > 1 && kernels_->uses_pairs ? scratch<int8_t>(buf, used, size_t(M) * K) : nullptr;
+      auto quantize_row = [&](int64_t m) {
         kernels_->quantize_q8(u + m * K, K, pp, pb, q + m * K, d + m * nb, bsum + m * nb);
         for (int64_t b = 0; b < nb + 8; ++b) bsumf[m * (nb + 8) + b] = b < nb ? float(bsum[m * nb + b]) : 0.0f;
         float* gs = gsum + m * layer_.n_groups;
@@ -160,12 +161,12 @@ class QuantLinearCPU : public LinearCPU {
             gs[sg.group_start + g] = acc;
           }
         }
-      }
-      int8_t* qp = nullptr;
-      if (M > 1) {
-        qp = scratch<int8_t>(buf, used, size_t(M) * K);
-        for (int64_t m = 0; m < M; ++m) pair_order(q + m * K, qp + m * K);
-      }
+        if (qp) pair_order(q + m * K, qp + m * K);
+      };
+      // rows are independent: the team's threads share them (a 16-row decode step does this per layer)
+      exl::cpu::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
+        for (int64_t m = r0; m < r1; ++m) quantize_row(m);
+      });
       const ActQ8 a{q, d, gsum, bsumf, M, qp};
       exl::cpu::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { kernels_->gemv_q8(layer_, a, yp, N, n0, n1); });
     } else {
