@@ -369,10 +369,14 @@ def test_cuda_sources_compile():
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-# Every bit width alone (groups of 1 and 4 blocks), and a mix whose segments end inside a quad.
+# Every bit width alone (groups of 1 and 4 blocks), a mix whose segments end inside a quad, and
+# every bit width in whole runs of 16 blocks (the avx512 table's unit), runs whose last quad is
+# partial (14, 13 blocks) and groups of 3 blocks across runs.
 INVARIANCE_MIXES = {
     **{f"{b}-bit": [F.Segment(256, b, 32 if b % 2 else 128)] for b in range(1, 9)},
     "mixed": [F.Segment(512, 4, 128), F.Segment(64, 3, 64), F.Segment(96, 5, 32), F.Segment(32, 8, 32)],
+    "runs-1-4": [F.Segment(448, 1, 32), F.Segment(512, 2, 128), F.Segment(928, 3, 32), F.Segment(1024, 4, 64)],
+    "runs-5-8": [F.Segment(960, 5, 96), F.Segment(1536, 6, 64), F.Segment(928, 7, 32), F.Segment(448, 8, 32)],
 }
 
 

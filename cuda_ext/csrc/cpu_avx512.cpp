@@ -7,9 +7,10 @@
 // segment's last quad may be partial). For a quad, a 512-bit vector holds, in 128-bit lane t,
 // codes 0-15 of block t ("lo") and a second one codes 16-31 ("hi"); the activations are
 // rearranged once per call into the same order, so two vpdpbusd give, in i32 lanes 4t..4t+3, four
-// partial sums of block t's exact dot product. Each lane is converted to fp32 and scaled by its
-// block's activation step times the group's weight scale; the grid centre is folded in per group
-// through ActQ8::gsum (see cpu_simd.inc).
+// partial sums of block t's exact dot product. Quads are taken in runs of 4 (16 blocks), whose
+// block dot products are summed in int32 before one conversion and one FMA with the blocks'
+// combined scales (the summation order, below, is the same for every number of activation rows);
+// the grid centre is folded in per group through ActQ8::gsum (see cpu_simd.inc).
 #include "cpu_kernels.h"
 
 // GCC 10+ only; clang ignores `#pragma GCC target`, so clang builds use the scalar kernels.
@@ -208,8 +209,9 @@ struct Prep {
                   // (codes 0-15 of block t in lane t, then 16-31), or per run of 4 quads transposed
                   // as by unpack_run when run_lanes
   float* dl;      // [M][runs * 16]: the activation steps in run lanes, 0 past a segment's end
-  float* gsc;     // [M][gstride]: code centre * ActQ8::gsum per group, row by row
+  float* gsc;     // [M][gstride]: code centre * ActQ8::gsum per group, row by row (zero-padded)
   int64_t gstride;
+  float* sf;      // [gstride]: scratch for one weight row's scales in fp32
   // run r spans groups run_g[r] ..; run_idx[r][l] is the group of the block in run lane l counted from there
   int32_t* run_g;
   int32_t* run_idx;
@@ -229,15 +231,17 @@ Prep prepare(const Layer& L, const ActQ8& a, int64_t m0, int M, bool run_lanes) 
     P.runs += (L.segs.seg[s].k_len / kBlock + 15) / 16;
   }
   P.quad_start[L.segs.count] = int(P.quads);
-  P.run_start[L.segs.count] = int(P.runs);
   P.gstride = (L.n_groups + 15) & ~int64_t(15);
+  P.run_start[L.segs.count] = int(P.runs);
   const size_t xb = size_t(M) * P.quads * kQuadBytes, db = size_t(M) * P.runs * 16 * 4,
-               gb = size_t(M) * P.gstride * 4, rb = size_t(P.runs) * 17 * 4;
+               gb = size_t(M + 1) * P.gstride * 4, rb = size_t(P.runs) * 17 * 4;
   if (tl_buf.size() < xb + db + gb + rb + 64) tl_buf.resize(xb + db + gb + rb + 64);
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(tl_buf.data()) + 63) & ~uintptr_t(63));
   P.x = reinterpret_cast<int8_t*>(base);
   P.dl = reinterpret_cast<float*>(base + xb);
   P.gsc = reinterpret_cast<float*>(base + xb + db);
+  P.sf = P.gsc + size_t(M) * P.gstride;
+  for (int64_t i = 0; i < (M + 1) * P.gstride; ++i) P.gsc[i] = 0.0f;  // the padding (and sf's) stays 0
   P.run_idx = reinterpret_cast<int32_t*>(base + xb + db + gb);
   P.run_g = P.run_idx + size_t(P.runs) * 16;
   for (int s = 0; s < L.segs.count; ++s) {
@@ -314,9 +318,58 @@ EXL_INLINE __m512 centre_row(const uint16_t* srow, const float* gsc, int64_t n_g
   return c;
 }
 
-// The end of the order: y = sum of acc's lanes minus the grid centre's share.
-EXL_INLINE float finish(const Layer& L, const Prep& P, __m512 acc, int64_t n, int m) {
-  return _mm512_reduce_add_ps(_mm512_sub_ps(acc, centre_row(L.qscale + n * L.n_groups, P.gsc + m * P.gstride, L.n_groups)));
+// The end of the order: y = the sum of the 16 lanes of (acc - centre_row), added in pairs (l, l+2),
+// then ((l, l+2), (l+1, l+3)) within each 128-bit lane, then 128-bit lanes (0, 1) and (2, 3), then
+// those two. finish_one does it for one row, finish_rows for 16 at once (rows in lanes: a
+// transposing add tree with the same pairs; IEEE addition is commutative).
+EXL_INLINE float sum_lanes(__m512 a) {
+  const __m512 w = _mm512_add_ps(a, _mm512_permute_ps(a, 0x4e));       // lanes l, l+2
+  const __m512 z = _mm512_add_ps(w, _mm512_permute_ps(w, 0xb1));       // + lanes l+1, l+3
+  const __m512 u = _mm512_add_ps(z, _mm512_shuffle_f32x4(z, z, 0xb1));  // 128-bit lanes 0+1, 2+3
+  return _mm512_cvtss_f32(_mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, 0x4e)));  // (0+1) + (2+3)
+}
+
+EXL_INLINE float finish_one(const Layer& L, const Prep& P, __m512 acc, int64_t n) {
+  return sum_lanes(_mm512_sub_ps(acc, centre_row(L.qscale + n * L.n_groups, P.gsc, L.n_groups)));
+}
+
+// Lane m: the sum of the 16 lanes of v[m], added as finish_one adds them.
+EXL_INLINE __m512 sum_lanes16(const __m512 (&v)[16]) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sum for rows 4i .. 4i+3
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]))),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]))));
+  const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+  const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xdd));
+}
+
+// Rows 0 .. P.M - 1 against weight row n: y[m * ldy] = finish_one of acc[m] (the row's scales
+// converted once; from 8 rows on, the lanes of all rows summed by one transposing tree).
+EXL_INLINE void finish_rows(const Layer& L, const Prep& P, const __m512* acc, int64_t n, float* y, int64_t ldy) {
+  const uint16_t* sr = L.qscale + n * L.n_groups;
+  for (int64_t g = 0; g < L.n_groups; g += 16) {
+    const __mmask16 k = L.n_groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (L.n_groups - g)) - 1);
+    _mm512_store_ps(P.sf + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, sr + g)));
+  }
+  __m512 v[16];
+  for (int m = 0; m < P.M; ++m) {  // acc - centre_row, with the scales already in fp32
+    __m512 c = _mm512_setzero_ps();
+    const float* gsc = P.gsc + m * P.gstride;
+    for (int64_t g = 0; g < L.n_groups; g += 16)
+      c = _mm512_fmadd_ps(_mm512_load_ps(P.sf + g), _mm512_load_ps(gsc + g), c);  // both zero-padded
+    v[m] = _mm512_sub_ps(acc[m], c);
+  }
+  if (P.M < 8) {
+    for (int m = 0; m < P.M; ++m) y[m * ldy] = sum_lanes(v[m]);
+    return;
+  }
+  for (int m = P.M; m < 16; ++m) v[m] = _mm512_setzero_ps();
+  alignas(64) float out[16];
+  _mm512_store_ps(out, sum_lanes16(v));
+  for (int m = 0; m < P.M; ++m) y[m * ldy] = out[m];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -386,7 +439,7 @@ void one_row_tile(const Layer& L, const Prep& P, float* y, int64_t n) {
       default: one_row_segment<8, NR>(L, P, s, n, acc); break;
     }
   }
-  for (int r = 0; r < NR; ++r) y[n + r] = finish(L, P, acc[r], n + r, 0);
+  for (int r = 0; r < NR; ++r) y[n + r] = finish_one(L, P, acc[r], n + r);
 }
 
 void gemv_one_row(const Layer& L, const Prep& P, float* y, int64_t n0, int64_t n1) {
@@ -484,7 +537,7 @@ void many_rows_tile(const Layer& L, const Prep& P, float* y, int64_t ldy, int64_
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < P.M; ++m) y[m * ldy + n + r] = finish(L, P, acc[r][m], n + r, m);
+    finish_rows(L, P, acc[r], n + r, y + n + r, ldy);
 }
 
 void gemv_many_rows(const Layer& L, const Prep& P, float* y, int64_t ldy, int64_t n0, int64_t n1) {
