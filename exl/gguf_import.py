@@ -126,13 +126,19 @@ def llama3_rope_freqs(params: dict, head_dim: int, theta: float) -> np.ndarray:
     return out.astype(np.float32)
 
 
+def _metadata_getter(path, meta: dict, arch: str):
+    """get(key, default=None): the value of `arch.key`; an error naming the key when it is missing and has no default."""
+    def get(key, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: metadata key '{arch}.{key}' is missing; the file is not a complete {arch} GGUF")
+        return value
+    return get
+
+
 def build_config(path, meta: dict, tensors: dict, dtype: torch.dtype) -> dict:
     """config.json for LlamaForCausalLM from GGUF metadata and tensors."""
-    def get(key, default=None):
-        value = meta.get(f"llama.{key}", default)
-        if value is None:
-            raise ModelLoadError(f"{path}: metadata key 'llama.{key}' is missing; the file is not a complete llama GGUF")
-        return value
+    get = _metadata_getter(path, meta, "llama")
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
@@ -191,11 +197,7 @@ def build_gemma3_config(path, meta: dict, tensors: dict, dtype: torch.dtype) -> 
     llama.cpp does not store the layer pattern, the local rope base nor query_pre_attn_scalar: it hard-codes
     Gemma 3's values (every 6th layer global, local base 10000, scale 1/sqrt(head_dim)), and so do we.
     """
-    def get(key, default=None):
-        value = meta.get(f"gemma3.{key}", default)
-        if value is None:
-            raise ModelLoadError(f"{path}: metadata key 'gemma3.{key}' is missing; the file is not a complete gemma3 GGUF")
-        return value
+    get = _metadata_getter(path, meta, "gemma3")
 
     layers = int(get("block_count"))
     heads = int(get("attention.head_count"))

@@ -18,16 +18,12 @@ def add_arguments(p):
     p.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs per test after one warm-up (default 3)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    try:
-        from exl.parallel import add_parallel_arguments
-    except ImportError:
-        pass
-    else:
-        add_parallel_arguments(p)
+    from exl.parallel import add_parallel_arguments
+
+    add_parallel_arguments(p)
 
 
 def run(args) -> int:
-    import torch
     from exl.threads import fix_threads
 
     from exl import benchmark
@@ -42,7 +38,7 @@ def run(args) -> int:
     model = load_for_cli(args.model, args, progress=sys.stderr.isatty())
     result = benchmark.run(model, args.n_prompt, args.n_gen, args.repetitions,
                            progress=lambda name, v: print(f"  {name}: {v:8.1f} tok/s", file=sys.stderr))
-    print(f"| model | bpw | threads | test | tok/s |\n|---|---|---|---|---|")
+    print("| model | bpw | threads | test | tok/s |\n|---|---|---|---|---|")
     for test in (f"pp{args.n_prompt}", f"tg{args.n_gen}"):
         if test in result:
             print(f"| {args.model} | {result['bpw']:.2f} | {result['threads']} | {test} | "

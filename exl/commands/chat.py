@@ -23,12 +23,9 @@ def add_arguments(p):
                    help=f"KV-cache size in tokens: the longest conversation (default: the model's context, at "
                         f"most {DEFAULT_CACHE_TOKENS})")
     p.set_defaults(max_new_tokens=512)
-    try:
-        from exl.parallel import add_parallel_arguments
-    except ImportError:
-        pass
-    else:
-        add_parallel_arguments(p)
+    from exl.parallel import add_parallel_arguments
+
+    add_parallel_arguments(p)
 
 
 def chat_turn(generator, messages, args, out=sys.stdout):

@@ -21,12 +21,9 @@ def add_arguments(parser):
     p.add_argument("--ref", default=None, help="reference model folder: also report mean KL-divergence from it")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    try:
-        from exl.parallel import add_parallel_arguments
-    except ImportError:
-        pass
-    else:
-        add_parallel_arguments(p)
+    from exl.parallel import add_parallel_arguments
+
+    add_parallel_arguments(p)
 
 
 def run(args) -> int:

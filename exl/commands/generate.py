@@ -42,12 +42,9 @@ def add_arguments(p):
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_sampling_arguments(p)
     p.add_argument("--stats", action="store_true", help="print speed to stderr at the end")
-    try:
-        from exl.parallel import add_parallel_arguments
-    except ImportError:
-        pass
-    else:
-        add_parallel_arguments(p)
+    from exl.parallel import add_parallel_arguments
+
+    add_parallel_arguments(p)
 
 
 def run(args) -> int:

@@ -550,7 +550,7 @@ class Generator:
         job.generated.append(token)
         if run.ngram is not None:
             run.ngram.update(run.ids)
-        ev = run.ev()
+        run.ev()  # every token taken in this step is reported, whatever follows
         if token in run.stop_tokens:
             self._finish(job, "stop_token", stop_token=token)
             return

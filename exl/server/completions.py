@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from exl.server import engine
-from exl.server.engine import ChoiceResult, ChoiceSpec, ClientGone, Timing
+from exl.server.engine import ChoiceResult, ChoiceSpec, Timing
 from exl.server.errors import APIError, bad_request
 from exl.server.manager import LoadedModel
 from exl.server.schemas import MAX_N, CompletionRequest
@@ -175,14 +175,8 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     if req.stream:
         return sse_response(_stream(run, events, timing), state.config)
     results = run.results()
-    try:
-        await engine.collect(request, events, results)
-    except ClientGone:
-        return Response(status_code=499)
-    except APIError as e:  # shut down mid-way: what was generated, cut ("length", exl_finish_reason "shutdown")
-        if not engine.is_shutdown(e) or not any(r.token_ids for r in results.values()):
-            raise
-        engine.end_for_shutdown(results)
+    if not await engine.collect_response(request, events, results):
+        return Response(status_code=499)  # the client went away
     choices = []
     for s in run.all_specs:
         r = results[s.index]

@@ -439,6 +439,20 @@ async def collect(request, events: AsyncIterator[tuple], results: dict[int, Choi
                 await asyncio.gather(task, return_exceptions=True)
 
 
+async def collect_response(request, events: AsyncIterator[tuple], results: dict[int, ChoiceResult]) -> bool:
+    """A non-streaming request's events, all into `results`. False when the client went away (answer 499). A
+    shutdown mid-way keeps what was generated, cut ("length", exl_finish_reason "shutdown")."""
+    try:
+        await collect(request, events, results)
+    except ClientGone:
+        return False
+    except APIError as e:
+        if not is_shutdown(e) or not any(r.token_ids for r in results.values()):
+            raise
+        end_for_shutdown(results)
+    return True
+
+
 def usage(prompt_tokens: int, cached_tokens: int, results, timing: Timing) -> dict:
     """OpenAI usage plus timing: time to first token, seconds and tokens/s for prompt and completion."""
     completion = sum(r.new_tokens or len(r.token_ids) for r in results)
