@@ -127,13 +127,16 @@ def _strip(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int = WINDOW) -> list[Result]:
+def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int = WINDOW,
+         scales: list[torch.Tensor] | None = None, refit: bool = True) -> list[Result]:
     """Quantize W [N, K] (rotated; N, K multiples of 16) once per meta, with error feedback through u
     (upper Cholesky factor of H⁻¹, [K, K]; the identity gives plain per-tile Viterbi).
 
     Strip j (columns 16j … 16j+15) is encoded jointly by Viterbi on targets already corrected for the
     errors of the strips before it; its error E is fed forward as W[:, rest] −= E U_jj⁻¹ U_j,rest (block
     LDLQ). Within a strip the columns are weighted by diag((U_jjᵀ U_jj)⁻¹), each row by its scale².
+    scales: the rows' starting scales per meta (default `row_scales`). refit: afterwards, refit each row's
+    scale to its chosen codes in the Hessian metric (`refit_scales`).
     """
     n, k = w.shape
     if n % TILE or k % TILE:
@@ -141,7 +144,9 @@ def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int
     u = u.to(w.device, torch.float32)
     dev = w.device
     works = [w.float().clone() for _ in metas]
-    scales = [row_scales(w, m.bits).to(dev) for m in metas]
+    if scales is None:
+        scales = [row_scales(w, m.bits) for m in metas]
+    scales = [sc.to(dev, torch.float32) for sc in scales]
     qs = [torch.empty(n, k, dtype=torch.float32, device=dev) for _ in metas]
     words = [torch.empty(n // TILE, k // TILE, m.words_per_tile, dtype=torch.int32) for m in metas]
     loss = [torch.zeros(n, dtype=torch.float32, device=dev) for _ in metas]
@@ -165,4 +170,29 @@ def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int
             loss[i] += (e * e).sum(1)
             if b1 < k:
                 works[i][:, b1:].addmm_(e, u[b0:b1, b1:], alpha=-1.0)
-    return [Result(wd, s.half(), q, le) for wd, s, q, le in zip(words, scales, qs, loss)]
+    out = []
+    for wd, s, q, le in zip(words, scales, qs, loss):
+        if refit:
+            s, q, le = refit_scales(w.float(), q, s, u, le)
+        out.append(Result(wd, s.half(), q, le))
+    return out
+
+
+@torch.no_grad()
+def refit_scales(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, u: torch.Tensor, row_err: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Refit each row's scale to its chosen code values V = Q / s by least squares in the Hessian metric:
+    s' = (w H vᵀ) / (v H vᵀ) with H = (UᵀU)⁻¹, rounded to float16; a row keeps its old scale unless the
+    new one lowers its error. Returns (scales, Q, row errors), the errors exactly tr(ΔW H ΔWᵀ) per row."""
+    n = w.shape[0]
+    v = q / s[:, None]
+    # rows of X U⁻¹ for X = W and V: ‖x U⁻¹‖² = x H xᵀ
+    y = torch.linalg.solve_triangular(u, torch.cat([w, v]), upper=True, left=False).double()
+    yw, yv = y[:n], y[n:]
+    den = (yv * yv).sum(1)
+    s_new = torch.where(den > 0, (yw * yv).sum(1) / den.clamp_min(1e-300), s.double())
+    s_new = s_new.clamp(2.0**-24, 65504.0).half().float()
+    err_new = ((yw - s_new.double()[:, None] * yv) ** 2).sum(1).float()
+    better = err_new < row_err
+    s = torch.where(better, s_new, s)
+    return s, v * s[:, None], torch.where(better, err_new, row_err)

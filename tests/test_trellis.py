@@ -114,6 +114,38 @@ def test_ldlq_feedback_lowers_the_hessian_error_and_reports_it_exactly():
     torch.testing.assert_close(F.trellis_decode(t), fed.q, rtol=1e-6, atol=1e-6)
 
 
+def test_ldlq_refits_each_row_scale_by_hessian_least_squares():
+    """The refit keeps the walks, gives each row the float16 scale s = (w H vᵀ)/(v H vᵀ) of its code values v
+    where that lowers the row's error tr(ΔW H ΔWᵀ), and reports the new errors exactly."""
+    from quant.gptq import inverse_cholesky
+
+    n, k = 48, 64
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.5, 2.0, k)
+    h = _hessian(k)
+    u, damp = inverse_cholesky(h, 0.01)
+    hd = h + damp * h.diagonal().mean() * torch.eye(k, dtype=torch.float64)
+    meta = TrellisMeta(2, 10)
+    plain, = T.ldlq(w, u, [meta], refit=False)
+    fit, = T.ldlq(w, u, [meta])
+    assert torch.equal(plain.words, fit.words)
+
+    def rows(q):
+        d = (q - w).double()
+        return ((d @ hd) * d).sum(1)
+
+    v = plain.q.double() / plain.scales.double()[:, None]
+    vh = v @ hd
+    s_ref = ((vh * w.double()).sum(1) / (vh * v).sum(1)).half()
+    e_plain, e_fit = rows(plain.q), rows(fit.q)
+    changed = fit.scales != plain.scales
+    assert torch.equal(fit.scales[changed], s_ref[changed])
+    assert bool((e_fit <= e_plain * (1 + 1e-5)).all())
+    assert float(e_fit.sum()) < 0.99 * float(e_plain.sum())  # a real gain on this Hessian
+    torch.testing.assert_close(fit.row_err.double(), e_fit, rtol=1e-3, atol=1e-6)
+    t = {"trellis": fit.words, "tscale": fit.scales, "tmeta": meta.to_tensor()}
+    torch.testing.assert_close(F.trellis_decode(t), fit.q, rtol=1e-6, atol=1e-6)
+
+
 def test_ldlq_several_settings_at_once_equal_one_at_a_time():
     w = torch.randn(16, 32, generator=torch.Generator().manual_seed(2))
     u = torch.eye(32)
