@@ -138,7 +138,7 @@ def _measure_trellis(name, w, h, tokens, fisher, options, seed, fixed=None) -> l
     p = prepare(w, h, t, seed, name)
     u, _ = factor(p.h, options)
     rows = _tile_rows(n, options.measure_rows, w.device)
-    results = TR.ldlq(p.w[rows], u, [s.meta() for s in settings])
+    results = TR.ldlq(p.w[rows], u, [s.meta() for s in settings], want_words=False)
     fw = row_weights(fisher, t)
     wf, frows = fw[rows], fw.sum() / fw[rows].sum().clamp_min(1e-30)
     wr = p.w[rows].to(p.h.dtype)

@@ -97,7 +97,7 @@ def encode_tiles(x: list[torch.Tensor], c: list[torch.Tensor], metas: list[Trell
 
 @dataclass
 class Result:
-    words: torch.Tensor  # int32 [N/16, K/16, 8·K_b]: the bit streams
+    words: torch.Tensor | None  # int32 [N/16, K/16, 8·K_b]: the bit streams (None when not asked for)
     scales: torch.Tensor  # float16 [N]
     q: torch.Tensor  # float32 [N, K]: the quantized matrix (rotated coordinates)
     row_err: torch.Tensor  # float32 [N]: rows of tr(ΔW H ΔWᵀ) (through the factor, as quant.gptq)
@@ -128,7 +128,7 @@ def _strip(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int = WINDOW,
-         scales: list[torch.Tensor] | None = None, refit: bool = True) -> list[Result]:
+         scales: list[torch.Tensor] | None = None, refit: bool = True, want_words: bool = True) -> list[Result]:
     """Quantize W [N, K] (rotated; N, K multiples of 16) once per meta, with error feedback through u
     (upper Cholesky factor of H⁻¹, [K, K]; the identity gives plain per-tile Viterbi).
 
@@ -136,7 +136,8 @@ def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int
     errors of the strips before it; its error E is fed forward as W[:, rest] −= E U_jj⁻¹ U_j,rest (block
     LDLQ). Within a strip the columns are weighted by diag((U_jjᵀ U_jj)⁻¹), each row by its scale².
     scales: the rows' starting scales per meta (default `row_scales`). refit: afterwards, refit each row's
-    scale to its chosen codes in the Hessian metric (`refit_scales`).
+    scale to its chosen codes in the Hessian metric (`refit_scales`). want_words: pack the walks into bit
+    streams (once, after the last strip); without, Result.words is None (pricing needs only the errors).
     """
     n, k = w.shape
     if n % TILE or k % TILE:
@@ -148,7 +149,7 @@ def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int
         scales = [row_scales(w, m.bits) for m in metas]
     scales = [sc.to(dev, torch.float32) for sc in scales]
     qs = [torch.empty(n, k, dtype=torch.float32, device=dev) for _ in metas]
-    words = [torch.empty(n // TILE, k // TILE, m.words_per_tile, dtype=torch.int32) for m in metas]
+    walks = [torch.empty(n // TILE, k // TILE, TILE_WEIGHTS, dtype=torch.int32) for _ in metas] if want_words else None
     loss = [torch.zeros(n, dtype=torch.float32, device=dev) for _ in metas]
     vals = [codebook(m).to(dev) for m in metas]
     for j in range(k // TILE):
@@ -163,13 +164,15 @@ def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int
             cs.append(_tiles((s * s)[:, None] * colw[None, :]).cpu())
         out = encode_tiles(xs, cs, metas, window)
         for i, (m, (states, _)) in enumerate(zip(metas, out)):
-            words[i][:, j] = F.trellis_pack(states, m)
+            if want_words:
+                walks[i][:, j] = states
             q = _strip(vals[i][states.long().to(dev)]) * scales[i][:, None]
             qs[i][:, b0:b1] = q
             e = (works[i][:, b0:b1] - q) @ uinv  # [N, 16]: the strip's error through the factor
             loss[i] += (e * e).sum(1)
             if b1 < k:
                 works[i][:, b1:].addmm_(e, u[b0:b1, b1:], alpha=-1.0)
+    words = [F.trellis_pack(st, m) for st, m in zip(walks, metas)] if want_words else [None] * len(metas)
     out = []
     for wd, s, q, le in zip(words, scales, qs, loss):
         if refit:

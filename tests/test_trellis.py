@@ -177,3 +177,16 @@ def test_viterbi_uses_the_threads_one_thread_replaced(monkeypatch):
     finally:
         torch.set_num_threads(n)
     assert seen == [2, 2]
+
+
+def test_ldlq_without_words_prices_the_same():
+    """The measurement skips packing the walks; its errors, scales and matrix must not change."""
+    g = torch.Generator().manual_seed(7)
+    w, k = torch.randn(32, 64, generator=g), 64
+    a = torch.randn(k, k, generator=g)
+    u = torch.linalg.cholesky(torch.linalg.inv(a @ a.T / k + torch.eye(k)), upper=True)
+    metas = [TrellisMeta(2, 8), TrellisMeta(3, 10)]
+    packed, bare = T.ldlq(w, u, metas), T.ldlq(w, u, metas, want_words=False)
+    for p, b in zip(packed, bare):
+        assert b.words is None and p.words is not None
+        assert torch.equal(p.row_err, b.row_err) and torch.equal(p.scales, b.scales) and torch.equal(p.q, b.q)
