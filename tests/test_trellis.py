@@ -190,3 +190,21 @@ def test_ldlq_without_words_prices_the_same():
     for p, b in zip(packed, bare):
         assert b.words is None and p.words is not None
         assert torch.equal(p.row_err, b.row_err) and torch.equal(p.scales, b.scales) and torch.equal(p.q, b.q)
+
+
+@pytest.mark.parametrize("k,L", [(1, 12), (2, 12), (2, 11), (3, 12), (4, 12)])
+def test_viterbi_matches_the_reference_at_real_sizes_on_both_step_orders(k, L):
+    """2^(L-K) >= 512 groups take the one-sweep step (trellis_encode.cpp kFusedGroups), fewer the two-pass
+    one: both must find the exact constrained optimum of the NumPy reference, at the format's sizes."""
+    meta = TrellisMeta(k, L)
+    vals = T.codebook(meta).numpy()
+    g = torch.Generator().manual_seed(k * 31 + L)
+    x = torch.randn(3, 256, generator=g) * T.CODE_SIGMA
+    c = torch.rand(3, 256, generator=g) + 0.5
+    ov = torch.randint(0, 2 ** (L - k), (3,), generator=g, dtype=torch.int32)
+    for isa in _kernels().trellis_encoder_isas():
+        states, cost = T.encode_tiles([x], [c], [meta], overlaps=[ov], isa=isa)[0]
+        for b in range(3):
+            _, ref = T.viterbi_reference(x[b].numpy(), c[b].numpy(), vals, k, L, overlap=int(ov[b]))
+            got = T.walk_cost(states[b].numpy(), x[b].numpy(), c[b].numpy(), vals)
+            assert got == pytest.approx(ref, rel=1e-5) and float(cost[b]) == pytest.approx(ref, rel=1e-5), (isa, b)

@@ -31,6 +31,11 @@ namespace trellis {
 namespace {
 
 constexpr float kInf = 1e30f;
+// From this many groups (2^(L-K)) on, a step is one sweep over the groups into a second cost array
+// (each group's best feeds its 2^K successors at once): ~15% less time at K <= 3, L = 12. With fewer,
+// larger groups the sweep's 2^K scattered stores cost more than the separate pass over the states.
+// Both orders compute the same values, so the walks are identical.
+constexpr int64_t kFusedGroups = 512;
 
 struct Job {
   const float* x;     // [B, T] targets in code units
@@ -48,11 +53,13 @@ struct Scratch {
   std::vector<uint8_t> bp;
   std::vector<int32_t> order;  // step i of a pass -> position in the tile
   float* cost = nullptr;
+  float* next = nullptr;  // the second cost array of the one-sweep step (kFusedGroups)
   float* m = nullptr;
   void size(int64_t states, int64_t groups, int64_t steps, int lanes) {
-    cost_buf.resize(size_t(states * lanes + 16));
+    cost_buf.resize(size_t(2 * states * lanes + 16));
     m_buf.resize(size_t(groups * lanes + 16));
     cost = align(cost_buf.data());
+    next = cost + states * lanes;
     m = align(m_buf.data());
     bp.resize(size_t(steps * groups * lanes));
     order.resize(size_t(steps));
@@ -103,7 +110,31 @@ static inline __attribute__((always_inline)) void viterbi_lanes(const float* con
     const VI ok = (ov < 0) | (ov == int32_t(uint32_t(s) & gmask));
     cost[s] = ok ? cv * d * d : inf;
   }
-  for (int i = 1; i < steps; ++i) {
+  VF* __restrict next = reinterpret_cast<VF*>(sc.next);
+  for (int i = 1; i < steps && G >= kFusedGroups; ++i) {
+    load(i);
+    // one sweep: the best predecessor of each group g (the states g << K | c), then the C states it
+    // leads to (hi << (L-K) | g), each its group's best plus its own weighted error, into `next`
+    VB* __restrict bpi = bp + int64_t(i) * G;
+    for (int64_t g = 0; g < G; ++g) {
+      const VF* __restrict grp = cost + (g << K);
+      VF best = grp[0];
+      VI arg = VI{};
+      for (int64_t c = 1; c < C; ++c) {
+        const VF r = grp[c];
+        const VI lt = r < best;
+        best = lt ? r : best;
+        arg = lt ? (VI{} + int32_t(c)) : arg;
+      }
+      bpi[g] = __builtin_convertvector(arg, VB);
+      for (int64_t hi = 0; hi < C; ++hi) {
+        const VF d = xv - vals[hi * G + g];
+        next[hi * G + g] = best + cv * d * d;
+      }
+    }
+    std::swap(cost, next);
+  }
+  for (int i = 1; i < steps && G < kFusedGroups; ++i) {
     // best predecessor of each group g (the states g << K | c)
     VB* __restrict bpi = bp + int64_t(i) * G;
     for (int64_t g = 0; g < G; ++g) {
