@@ -137,7 +137,7 @@ def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int
     LDLQ). Within a strip the columns are weighted by diag((U_jjᵀ U_jj)⁻¹), each row by its scale².
     scales: the rows' starting scales per meta (default `row_scales`). refit: afterwards, refit each row's
     scale to its chosen codes in the Hessian metric (`refit_scales`). want_words: pack the walks into bit
-    streams (once, after the last strip); without, Result.words is None (pricing needs only the errors).
+    streams; without, Result.words is None (pricing needs only the errors).
     """
     n, k = w.shape
     if n % TILE or k % TILE:
@@ -149,7 +149,8 @@ def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int
         scales = [row_scales(w, m.bits) for m in metas]
     scales = [sc.to(dev, torch.float32) for sc in scales]
     qs = [torch.empty(n, k, dtype=torch.float32, device=dev) for _ in metas]
-    walks = [torch.empty(n // TILE, k // TILE, TILE_WEIGHTS, dtype=torch.int32) for _ in metas] if want_words else None
+    words = [torch.empty(n // TILE, k // TILE, m.words_per_tile, dtype=torch.int32) if want_words else None
+             for m in metas]
     loss = [torch.zeros(n, dtype=torch.float32, device=dev) for _ in metas]
     vals = [codebook(m).to(dev) for m in metas]
     for j in range(k // TILE):
@@ -165,14 +166,13 @@ def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int
         out = encode_tiles(xs, cs, metas, window)
         for i, (m, (states, _)) in enumerate(zip(metas, out)):
             if want_words:
-                walks[i][:, j] = states
+                words[i][:, j] = F.trellis_pack(states, m)
             q = _strip(vals[i][states.long().to(dev)]) * scales[i][:, None]
             qs[i][:, b0:b1] = q
             e = (works[i][:, b0:b1] - q) @ uinv  # [N, 16]: the strip's error through the factor
             loss[i] += (e * e).sum(1)
             if b1 < k:
                 works[i][:, b1:].addmm_(e, u[b0:b1, b1:], alpha=-1.0)
-    words = [F.trellis_pack(st, m) for st, m in zip(walks, metas)] if want_words else [None] * len(metas)
     out = []
     for wd, s, q, le in zip(words, scales, qs, loss):
         if refit:
