@@ -111,22 +111,27 @@ static inline __attribute__((always_inline)) void viterbi_lanes(const float* con
     cost[s] = ok ? cv * d * d : inf;
   }
   VF* __restrict next = reinterpret_cast<VF*>(sc.next);
+  // the best predecessor of group g (the states g << K | c) in `cost`: its cost, its c into bpi[g]
+  auto group_best = [&](int64_t g, VB* __restrict bpi) {
+    const VF* __restrict grp = cost + (g << K);
+    VF best = grp[0];
+    VI arg = VI{};
+    for (int64_t c = 1; c < C; ++c) {
+      const VF r = grp[c];
+      const VI lt = r < best;
+      best = lt ? r : best;
+      arg = lt ? (VI{} + int32_t(c)) : arg;
+    }
+    bpi[g] = __builtin_convertvector(arg, VB);
+    return best;
+  };
   for (int i = 1; i < steps && G >= kFusedGroups; ++i) {
     load(i);
     // one sweep: the best predecessor of each group g (the states g << K | c), then the C states it
     // leads to (hi << (L-K) | g), each its group's best plus its own weighted error, into `next`
     VB* __restrict bpi = bp + int64_t(i) * G;
     for (int64_t g = 0; g < G; ++g) {
-      const VF* __restrict grp = cost + (g << K);
-      VF best = grp[0];
-      VI arg = VI{};
-      for (int64_t c = 1; c < C; ++c) {
-        const VF r = grp[c];
-        const VI lt = r < best;
-        best = lt ? r : best;
-        arg = lt ? (VI{} + int32_t(c)) : arg;
-      }
-      bpi[g] = __builtin_convertvector(arg, VB);
+      const VF best = group_best(g, bpi);
       for (int64_t hi = 0; hi < C; ++hi) {
         const VF d = xv - vals[hi * G + g];
         next[hi * G + g] = best + cv * d * d;
@@ -137,19 +142,7 @@ static inline __attribute__((always_inline)) void viterbi_lanes(const float* con
   for (int i = 1; i < steps && G < kFusedGroups; ++i) {
     // best predecessor of each group g (the states g << K | c)
     VB* __restrict bpi = bp + int64_t(i) * G;
-    for (int64_t g = 0; g < G; ++g) {
-      const VF* __restrict grp = cost + (g << K);
-      VF best = grp[0];
-      VI arg = VI{};
-      for (int64_t c = 1; c < C; ++c) {
-        const VF r = grp[c];
-        const VI lt = r < best;
-        best = lt ? r : best;
-        arg = lt ? (VI{} + int32_t(c)) : arg;
-      }
-      m[g] = best;
-      bpi[g] = __builtin_convertvector(arg, VB);
-    }
+    for (int64_t g = 0; g < G; ++g) m[g] = group_best(g, bpi);
     load(i);
     // every state: its group's best plus its own weighted error
     for (int64_t hi = 0; hi < C; ++hi) {
