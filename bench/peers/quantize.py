@@ -74,6 +74,30 @@ def check_on_grid(name: str, w, scale, zero, bits: int, group: int, tol: float =
         raise ValueError(f"{name}: {int(span.max()) + 1} levels in a group, more than 2^{bits}")
 
 
+def dequantize_codes(name: str, w, scale, zero, bits: int, group: int, signed: bool):
+    """The matrix a checkpoint of the tool decodes: integer codes recovered from the tool's fake-quantized
+    weights w (which it may have computed in bfloat16 or float32), times the float16-rounded scale (a checkpoint
+    stores scales in half precision), in float32. scale, zero: [rows, groups]; zero None: symmetric."""
+    import torch
+
+    rows, cols = w.shape
+    n = scale.shape[1]
+    s16 = scale.half().float()
+    q = torch.nn.functional.pad(w.float(), (0, n * group - cols)).view(rows, n, group) / scale.float()[..., None]
+    if zero is not None:
+        q = q + zero.float()[..., None]
+    off = float((q - q.round()).abs().max())
+    if off > 0.1:
+        raise ValueError(f"{name}: the tool's weights are not on its grid (max |q - round(q)| = {off:.3f})")
+    q = q.round()
+    lo = -(2 ** (bits - 1)) if signed and zero is None else 0
+    if float(q.min()) < lo or float(q.max()) > lo + 2 ** bits - 1:
+        raise ValueError(f"{name}: codes {int(q.min())}..{int(q.max())} outside {bits} bits")
+    if zero is not None:
+        q = q - zero.float()[..., None]
+    return (q * s16[..., None]).reshape(rows, -1)[:, :cols].contiguous()
+
+
 def decoder_linears(model) -> dict:
     """HF name (without `.weight`) -> nn.Linear for every decoder linear layer."""
     out = {}
@@ -128,17 +152,11 @@ def run_gptq(model, args, ids) -> tuple[dict, dict]:
             max_seq_length=ids.shape[1])
     weights = {}
     for name, lin in decoder_linears(model).items():
-        w = lin.weight.detach().float()
         scale = lin.weight_scale.detach()
         if getattr(lin, "weight_g_idx", None) is not None and (lin.weight_g_idx.diff() < 0).any():
             raise ValueError(f"{name}: act-order group index present; this reader assumes groups in column order")
-        # a checkpoint stores the scale in the model's half dtype: round it so, and the codes with it
+        w = dequantize_codes(name, lin.weight.detach(), scale, None, args.bits, args.group, signed=True)
         s16 = scale.half().float()
-        q = torch.clamp(torch.round(w.view(w.shape[0], -1, args.group) / scale.float()[..., None]),
-                        -(2 ** (args.bits - 1)), 2 ** (args.bits - 1) - 1)
-        if float((q * scale.float()[..., None] - w.view_as(q)).abs().max()) > 1e-5 * float(w.abs().max()):
-            raise ValueError(f"{name}: GPTQ's weight is not on its own grid")
-        w = (q * s16[..., None]).view_as(w)
         check_on_grid(name, w, s16, None, args.bits, args.group)
         weights[name] = w
     return weights, {"recipe": recipe.model_dump(mode="json", exclude_none=True),
@@ -150,25 +168,32 @@ def run_autoround(model, args, ids) -> tuple[dict, dict]:
     from auto_round import AutoRound
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(args.model)
-    data = [{"input_ids": row[None], "attention_mask": torch.ones_like(row)[None]} for row in ids]
-    kw = {} if args.iters is None else {"iters": args.iters}
-    blocks = {} if args.blocks is None else {"to_quant_block_names": [[f"model.layers.{i}" for i in range(args.blocks)]]}
-    ar = AutoRound(model, tok, scheme=f"W{args.bits}A16", group_size=args.group, dataset=data, nsamples=len(ids),
-                   seqlen=ids.shape[1], device_map="cpu", **kw, **blocks)
-    ar.quantize()
+    raw_file = args.out / "autoround-raw.pt"  # the tool's own result, kept so a rerun reads instead of re-tuning
+    if raw_file.is_file():
+        raw, ar = torch.load(raw_file), None
+    else:
+        tok = AutoTokenizer.from_pretrained(args.model)
+        data = [{"input_ids": row[None], "attention_mask": torch.ones_like(row)[None]} for row in ids]
+        kw = {} if args.iters is None else {"iters": args.iters}
+        blocks = ({} if args.blocks is None else
+                  {"to_quant_block_names": [[f"model.layers.{i}" for i in range(args.blocks)]]})
+        ar = AutoRound(model, tok, scheme=f"W{args.bits}A16", group_size=args.group, dataset=data, nsamples=len(ids),
+                       seqlen=ids.shape[1], device_map="cpu", **kw, **blocks)
+        ar.quantize()
+        raw = {name: (lin.weight.detach().clone(), lin.scale, lin.zp) for name, lin in decoder_linears(model).items()
+               if args.blocks is None or int(name.split(".")[2]) < args.blocks}
+        args.out.mkdir(parents=True, exist_ok=True)
+        torch.save(raw, raw_file)
     weights = {}
-    for name, lin in decoder_linears(model).items():
-        if args.blocks is not None and int(name.split(".")[2]) >= args.blocks:
-            continue
-        w = lin.weight.detach().float()
-        scale, zp = lin.scale.float(), lin.zp
+    for name, (weight, scale, zp) in raw.items():
+        scale = scale.float()
         zero = None if zp is None else (zp.float() if torch.is_tensor(zp) else torch.full_like(scale, float(zp)))
-        check_on_grid(name, w, scale, zero, args.bits, args.group)
+        w = dequantize_codes(name, weight, scale, zero, args.bits, args.group, signed=True)
+        check_on_grid(name, w, scale.half().float(), zero, args.bits, args.group)
         weights[name] = w
-    return weights, {"scheme": f"W{args.bits}A16", "iters": getattr(ar, "iters", None),
+    return weights, {"scheme": f"W{args.bits}A16", "iters": getattr(ar, "iters", args.iters or "default (200)"),
                      "batch_size": getattr(ar, "batch_size", None), "lr": str(getattr(ar, "lr", None)),
-                     "scale_dtype": str(lin.scale.dtype), "blocks": args.blocks,
+                     "scale_dtype": str(raw[name][1].dtype), "blocks": args.blocks,
                      "stored": "codes + float16 scale per group (symmetric); 576-wide rows padded to 640 by the tool, "
                                "codes counted for real weights only"}
 
