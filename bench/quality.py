@@ -586,11 +586,11 @@ def peers_run(args) -> dict:
         print(f"{label}: {meta['bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f}", flush=True)
         gc.collect()
     for b in sorted({round(r["bpw"], 4) for r in results["rows"] if r["kind"] == "peer"}):
-        for kind, m, opts in (("exl scalar", scalar_m, {}),
+        for kind, m, opts in (("exl scalar", scalar_m, {"codes": "scalar"}),
                               ("exl trellis", args.peer_trellis_measurement, {"codes": "trellis"})):
             if not m:
                 continue
-            label = f"exl-{b:g}" if kind == "exl scalar" else f"trellis-{b:g}"
+            label = f"scalar-{b:g}" if kind == "exl scalar" else f"trellis-{b:g}"
             folder = exl_model(rot, label, b, Path(m).expanduser(), args.fresh, **opts)
             rep = report_of(folder)
             r = cached_eval(folder, ev, lambda: ev.evaluate(exl_logits(folder), "exl", batch=4))
@@ -619,14 +619,14 @@ def peers_markdown(results: dict) -> str:
              "model's, token embedding float16 and head float32 (exl's rows: embedding float16, head 6-bit g64, "
              "which costs exl ≤ 0.001 KLD: exl at 8.5 bpw has 0.0011). bpw: decoder linear layers, every stored bit "
              "(codes, float16 scales, float16 zeros where stored). exl scalar: converted at the peer's bpw from the "
-             "main table's exl-4.0 measurement (-m). exl trellis: the largest trellis row at or below the peer's "
-             "size.", "",
+             "main table's exl-4.0 measurement (-m, --codes scalar, as the --trellis table's scalar rows). exl trellis: "
+             "the best (lowest-KLD) trellis model of the --trellis table at or below the peer's size, not converted "
+             "here unless --peer-trellis-measurement is given.", "",
              "| peer | bpw | ppl | KLD | peer time (s) | exl scalar at that bpw: KLD | peer / exl scalar | "
              "exl trellis (bpw): KLD | peer / exl trellis |", "|---|---|---|---|---|---|---|---|---|"]
     for r in peers:
         sc = scalar.get(round(r["bpw"], 4))
-        tr = [t for t in trellis if t["bpw"] <= r["bpw"] + 1e-6]
-        tr = tr[-1] if tr else None
+        tr = min((t for t in trellis if t["bpw"] <= r["bpw"] + 1e-6), key=lambda t: t["kld"], default=None)
         lines.append(f"| {r['label']} | {r['bpw']:.3f} | {r['ppl']:.3f} | {r['kld']:.4f} | {r['seconds']:.0f} | "
                      + (f"{sc['kld']:.4f} | {r['kld'] / sc['kld']:.2f} | " if sc else "| | ")
                      + (f"{tr['label']} ({tr['bpw']:.3f}): {tr['kld']:.4f} | {r['kld'] / tr['kld']:.2f} |" if tr else "| |"))
