@@ -571,6 +571,9 @@ def peers_run(args) -> dict:
     scalar_m = root() / "quality" / "exl-4.0" / "measurement.json"
     for tool, bits, group in wanted:
         label = f"{tool}-{bits}b-g{group}"
+        if args.peer_cached_only and not (peers_root() / label / "peer.json").is_file():
+            results["failed"].append({"label": label, "error": "not in the cache (--peer-cached-only): not run"})
+            continue
         try:
             out = peer_quantize(rot, tool, bits, group, args.threads, venvs)
             folder = peer_eval_folder(rot, out)
@@ -591,6 +594,8 @@ def peers_run(args) -> dict:
             if not m:
                 continue
             label = f"scalar-{b:g}" if kind == "exl scalar" else f"trellis-{b:g}"
+            if args.peer_cached_only and not (root() / "quality" / label / "quantization_report.json").is_file():
+                continue
             folder = exl_model(rot, label, b, Path(m).expanduser(), args.fresh, **opts)
             rep = report_of(folder)
             r = cached_eval(folder, ev, lambda: ev.evaluate(exl_logits(folder), "exl", batch=4))
@@ -644,7 +649,7 @@ def peers_markdown(results: dict) -> str:
             conv = f"{r['convert_s']:.0f}" if r.get("convert_s") else ""
             lines.append(f"| {r['label']} | {r['bpw']:.3f} | {r['ppl']:.3f} | {r['kld']:.4f} | {conv} |")
     for f in results.get("failed", []):
-        lines += ["", f"**{f['label']} did not run:**", "", "```", f["error"], "```"]
+        lines += ["", f"**{f['label']}: no row.**", "", "```", f["error"], "```"]
     return "\n".join(lines)
 
 
@@ -788,6 +793,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-tools", default="gptq,autoround,hqq", help="with --peers: which tools")
     ap.add_argument("--peer-venvs", default=str(Path("~/.cache/exl/peers")),
                     help="with --peers: folder holding the peer venvs (venv, venv-autoround)")
+    ap.add_argument("--peer-cached-only", action="store_true",
+                    help="with --peers: quantize and convert nothing, table what the cache holds")
     ap.add_argument("--peer-trellis-measurement", default=None, metavar="PATH",
                     help="with --peers: also convert trellis at each peer's bpw from this measurement (-m); "
                          "default: show the cached --trellis rows")
