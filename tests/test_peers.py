@@ -70,7 +70,7 @@ def test_check_on_grid_accepts_dequantized_and_rejects_float_weights(sym):
         peer.check_on_grid("m", w, scale, zero, 2, 64)  # 8 levels do not fit 2 bits
 
 
-def test_peer_eval_folder_replaces_decoder_weights_only(tmp_path, monkeypatch):
+def test_peer_eval_folder_replaces_decoder_weights_only(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))
     quality = _load("quality_bench", ROOT / "bench" / "quality.py")
     rot, out = tmp_path / "rot", tmp_path / "peer"

@@ -214,8 +214,9 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=None, help="autoround: quantize only the first N blocks (timing)")
     args = ap.parse_args(argv)
 
-    import torch
     from importlib.metadata import version
+
+    import torch
     from safetensors.torch import load_file, save_file
 
     torch.set_num_threads(args.threads)
