@@ -177,7 +177,7 @@ def test_trellis_conversion_loads_accounts_bits_and_beats_scalar(tiny, trellis_c
 
     loader = TensorLoader(out)
     prefix = "model.layers.1.mlp.down_proj"
-    t = {s: loader.get(f"{prefix}.{s}") for s in F.TRELLIS_SUFFIXES}
+    t = {s: loader.get(f"{prefix}.{s}") for s in F.TRELLIS_SUFFIXES if f"{prefix}.{s}" in loader}
     assert F.is_trellis(t) and F.bits_per_weight(t) == pytest.approx(
         next(s["bpw"] for s in report["layers"] if s["name"] == prefix))
     model = exl.load_model(out, progress=False)
