@@ -110,10 +110,17 @@ def candidates(k: int, mixes: bool = True) -> list[Setting]:
 TRELLIS_PREFIX = "trellis"
 
 
-def default_code(bits: int, state_bits: int) -> int:
+# Code 2 stores 256 bytes of tables per matrix; it is the default only where they cost under 0.02 bpw.
+TWO_TABLE_MIN_WEIGHTS = 8 * 2 * F.TWO_TABLE_SIZE * 50  # n·k ≥ 102 400
+
+
+def default_code(bits: int, state_bits: int, weights: int | None = None) -> int:
     """The trellis code exl writes (docs/format.md §7.3): code 2 (two tables; 2–3× faster to decode on the
-    CPU) where it is defined and within ~3% of code 1's error (K_b ≤ 4 at L = 12), else code 1."""
-    return F.CODE_LCG_BYTESUM  # code 2 becomes the default once the runtime's kernels decode it
+    CPU) where it is defined and within ~3% of code 1's error (K_b ≤ 4 at L = 12) and its tables cost under
+    0.02 bpw of an n·k = `weights` matrix (None: a large one), else code 1."""
+    if state_bits == F.TWO_TABLE_STATE_BITS and bits <= 4 and (weights is None or weights >= TWO_TABLE_MIN_WEIGHTS):
+        return F.CODE_TWO_TABLE
+    return F.CODE_LCG_BYTESUM
 
 
 @dataclass(frozen=True, order=True)
@@ -168,5 +175,5 @@ def trellis_candidates(n: int, k: int, bits=TRELLIS_BITS, state_bits: int = 12) 
     out = []
     for b in bits:
         L = max(state_bits, b + 1, 8)
-        out.append(TrellisSetting(b, L, default_code(b, L)))
+        out.append(TrellisSetting(b, L, default_code(b, L, n * k)))
     return out

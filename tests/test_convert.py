@@ -80,7 +80,7 @@ def converted(tiny, tmp_path_factory):
 
 def quant_layer_bits(folder: Path) -> tuple[int, int, int]:
     """(stored bits of quantized decoder layers, their N*K, head bits), read from the files' headers."""
-    sizes = {"U8": 1, "I16": 2, "I32": 4, "F16": 2, "F32": 4}
+    sizes = {"U8": 1, "I8": 1, "I16": 2, "I32": 4, "F16": 2, "F32": 4}
     bits = weights = head = 0
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
