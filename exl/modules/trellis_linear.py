@@ -26,6 +26,9 @@ from exl.modules.quant_linear import KernelLinear, _default_exact
 # the int8 GEMV costs more per extra row than the fp32 one (one vpdpbusd per row and column on port 0)
 GEMM_MIN_ROWS_INT8 = 17
 GEMM_MIN_ROWS_EXACT = 32
+# code 2's int8 GEMV decodes without multiplies; each extra row is two vpdpbusd per 64 weights, so it beats the
+# GEMM up to about 64 rows (docs/benchmarks.md, "Trellis-coded layers")
+GEMM_MIN_ROWS_INT8_TWO_TABLE = 64
 
 
 class TrellisLinear(KernelLinear):
@@ -39,7 +42,7 @@ class TrellisLinear(KernelLinear):
             activations (per 32 channels, as QuantLinear's int8 path; about 0.5% RMS relative output
             error) on the AVX-512 table, fp32 elsewhere; True: fp32 activations throughout.
         gemm_min_rows: CPU only. From this many input rows on, use tile decode + BLAS GEMM (rows
-            below it take the batch-invariant GEMV). Default 17 (int8), 32 (exact).
+            below it take the batch-invariant GEMV). Default 17 (int8; 64 for code 2), 32 (exact).
     """
 
     REQUIRED = ("trellis", "tscale", "tmeta", "su", "sv")
@@ -66,7 +69,8 @@ class TrellisLinear(KernelLinear):
             raise ValueError(f"TrellisLinear: tcode is only for code 2 layers; this layer is code {self.meta.code} "
                              "(its tmeta says so): drop P.tcode or fix tmeta")
         self.exact = _default_exact() if exact is None else exact
-        self.gemm_min_rows = gemm_min_rows or (GEMM_MIN_ROWS_EXACT if self.exact else GEMM_MIN_ROWS_INT8)
+        int8_rows = GEMM_MIN_ROWS_INT8_TWO_TABLE if self.meta.code == F.CODE_TWO_TABLE else GEMM_MIN_ROWS_INT8
+        self.gemm_min_rows = gemm_min_rows or (GEMM_MIN_ROWS_EXACT if self.exact else int8_rows)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, trellis K={self.meta.bits} L={self.meta.state_bits} code={self.meta.code}"
