@@ -191,7 +191,8 @@ def trellis_layer(n, k, bits, state_bits=16, seed=0, code=F.CODE_LCG_BYTESUM):
 
 
 def trellis_kernel(ext, t, isa):
-    return ext.TrellisLinearCPU(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], None, isa, tcode=t.get("tcode"))
+    return ext.TrellisLinearCPU(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], None, isa,
+                                tcode=t.get("tcode"))
 
 
 def bench_trellis(args):

@@ -103,8 +103,8 @@ def trellis_copy(src: Path, dst: Path, bits: int = 3, state_bits: int = 16, seed
     q = cfg.get("quantization_config") or {"quant_method": "exl"}
     if code == F.CODE_TWO_TABLE:
         state_bits = F.TWO_TABLE_STATE_BITS
-    q.update(version=2, speed_only_random_trellis=True, trellis_bits=bits, trellis_state_bits=state_bits, trellis_code=code,
-             measured_bpw=round(bits_total / max(weights_total, 1), 4))
+    q.update(version=2, speed_only_random_trellis=True, trellis_bits=bits, trellis_state_bits=state_bits,
+             trellis_code=code, measured_bpw=round(bits_total / max(weights_total, 1), 4))
     cfg["quantization_config"] = q
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return bits_total / max(weights_total, 1)

@@ -1,7 +1,8 @@
 """`TrellisLinear`: a linear layer in the exl trellis-coded format (docs/format.md §7), run by the kernels.
 
 The module holds only the stored tensors (`trellis`, `tscale`, `tmeta`, `su`, `sv`, code 2's tables
-`tcode` and an optional `bias`) as buffers, never a decoded copy. `forward` (shared with QuantLinear, see KernelLinear) runs:
+`tcode` and an optional `bias`) as buffers, never a decoded copy. `forward` (shared with QuantLinear,
+see KernelLinear) runs:
 
 - on the CPU, float32: the extension's TrellisLinearCPU: u = H (D_u x) with the scalar layers'
   rotation kernels, then a decode-and-dot GEMV that decodes each 16x16 tile once for up to 16 rows
