@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "cpu_linear.h"
 #include "cpu_trellis.h"
@@ -135,36 +136,46 @@ class TrellisLinearCPU : public LinearCPU {
     const int64_t M = x.numel() / K_;
     auto y = at::empty({M, N_}, at::kFloat);
     if (M == 0) return y.reshape(out_shape);
+    const bool gemm = path == "gemm" || (path == "auto" && M >= gemm_min_rows);
+    const bool int8 = path == "int8" || (path == "auto" && !gemm && !exact && has_int8());
+    // Scratch: per thread for small batches (decode calls this per layer per token), else for this call.
+    const int64_t nb = K_ / 32;
+    const bool with_qq = int8 && code_.code == kCodeLcgByteSum;  // code 1 reads each int8 activation repeated 4x
+    const size_t need = 5 * 64 + size_t(M) * K_ * (4 + (int8 ? 1 : 0) + (with_qq ? 4 : 0)) + size_t(M) * nb * 8;
+    thread_local std::vector<uint8_t> small_buf;
+    std::vector<uint8_t> large_buf;
+    std::vector<uint8_t>& buf = M <= 64 ? small_buf : large_buf;
+    if (buf.size() < need) buf.resize(need);
+    size_t used = 0;
+    auto carve = [&](size_t bytes) {  // 64-byte aligned pieces of buf
+      uint8_t* base = buf.data() + used;
+      uint8_t* p = base + ((64 - reinterpret_cast<uintptr_t>(base) % 64) % 64);
+      used = size_t(p - buf.data()) + bytes;
+      return p;
+    };
     // 1. u = H (D_u x)
-    at::Tensor u = x.reshape({M, K_}).clone(at::MemoryFormat::Contiguous);
-    float* up = u.data_ptr<float>();
+    const at::Tensor x2 = x.reshape({M, K_}).contiguous();
+    float* up = reinterpret_cast<float*>(carve(size_t(M) * K_ * 4));
+    std::copy(x2.data_ptr<float>(), x2.data_ptr<float>() + M * K_, up);
     rotate_rows(kernels_, up, M, K_, su_.data_ptr<uint8_t>(), true);
     // 2. z = tscale * (values u)
     const TrellisLayer L = layer();
     float* yp = y.data_ptr<float>();
-    const bool gemm = path == "gemm" || (path == "auto" && M >= gemm_min_rows);
-    const bool int8 = path == "int8" || (path == "auto" && !gemm && !exact && has_int8());
     const int64_t tiles = N_ / kTile;
     const int64_t grain = std::max<int64_t>(2, (int64_t(1) << 14) / std::max<int64_t>(K_, 1));
     if (gemm) {
-      gemm_(L, u, y);
+      gemm_(L, at::from_blob(up, {M, K_}, at::kFloat), y);
     } else if (int8) {
-      // int8 activations per 32 channels (the scalar layers' quantizer), each repeated 4x in an int32
-      const int64_t nb = K_ / 32;
-      auto q8 = at::empty({M, K_}, at::kChar);
-      auto qq = code_.code == kCodeLcgByteSum ? at::empty({M, K_}, at::kInt) : at::Tensor();  // code 1 reads q repeated 4x
-      auto d = at::empty({M, nb}, at::kFloat);
-      auto bsum = at::empty({M, nb}, at::kInt);
-      int8_t* qp = q8.data_ptr<int8_t>();
-      int32_t* qqp = qq.defined() ? qq.data_ptr<int32_t>() : nullptr;
+      // int8 activations per 32 channels (the scalar layers' quantizer)
+      int8_t* qp = reinterpret_cast<int8_t*>(carve(size_t(M) * K_));
+      int32_t* qqp = with_qq ? reinterpret_cast<int32_t*>(carve(size_t(M) * K_ * 4)) : nullptr;
+      float* dp = reinterpret_cast<float*>(carve(size_t(M) * nb * 4));
+      int32_t* bp = reinterpret_cast<int32_t*>(carve(size_t(M) * nb * 4));
       for (int64_t m = 0; m < M; ++m) {
-        kernels_->quantize_q8(up + m * K_, K_, nullptr, 0, qp + m * K_, d.data_ptr<float>() + m * nb,
-                              bsum.data_ptr<int32_t>() + m * nb);
+        kernels_->quantize_q8(up + m * K_, K_, nullptr, 0, qp + m * K_, dp + m * nb, bp + m * nb);
         if (qqp)
           for (int64_t k = 0; k < K_; ++k) qqp[m * K_ + k] = int32_t(uint32_t(uint8_t(qp[m * K_ + k])) * 0x01010101u);
       }
-      const float* dp = d.data_ptr<float>();
-      const int32_t* bp = bsum.data_ptr<int32_t>();
       exl::cpu::parallel_for(0, tiles, grain, [&](int64_t i0, int64_t i1) {
         trellis_kernels_->gemv_q8(L, qp, qqp, dp, bp, M, yp, N_, i0, i1);
       });
