@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cuda_reference import assert_rel_close, random_trellis, random_two_table, trellis_reference
+
 from exl import format as F
 
+pytestmark = pytest.mark.kernels  # as tests/test_cuda_host.py
 
 @pytest.fixture(scope="module")
 def host():
@@ -16,43 +19,9 @@ def host():
     return load_cuda_host()
 
 
-def random_trellis(n, k, bits, state_bits, seed=0, bias=True, code=1):
-    """Random bit streams (every stream is a valid tail-biting walk); code 2 with random full-range tables."""
-    g = torch.Generator().manual_seed(seed)
-    if code == F.CODE_TWO_TABLE:
-        meta = F.TrellisMeta(bits, state_bits, code=code)
-    else:
-        meta = F.TrellisMeta(bits, state_bits, mul=0x9E3779B1, add=0x7F4A7C15)
-    words = torch.randint(-(2**31), 2**31, (n // 16, k // 16, meta.words_per_tile), generator=g, dtype=torch.int64)
-    t = {"trellis": words.to(torch.int32), "tscale": (torch.rand(n, generator=g) * 1e-3 + 1e-4).half(),
-         "tmeta": meta.to_tensor(), "su": F.pack_signs(torch.where(torch.rand(k, generator=g) < 0.5, -1, 1)),
-         "sv": F.pack_signs(torch.where(torch.rand(n, generator=g) < 0.5, -1, 1))}
-    if code == F.CODE_TWO_TABLE:
-        tcode = torch.randint(-128, 128, (256,), generator=g, dtype=torch.int8)
-        tcode[:2], tcode[128:130] = torch.tensor([-128, 127], dtype=torch.int8), torch.tensor([127, -128], dtype=torch.int8)
-        t["tcode"] = tcode
-    if bias:
-        t["bias"] = torch.randn(n, generator=g) * 0.1
-    return t
-
-
-def two_table(n, k, bits, seed=0, bias=True):
-    return random_trellis(n, k, bits, F.TWO_TABLE_STATE_BITS, seed, bias, code=F.CODE_TWO_TABLE)
-
-
 def layer(host, t):
     return host.TrellisLinearCUDA(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], t.get("bias"),
                                   tcode=t.get("tcode"))
-
-
-def reference(x, t):
-    """exl.format's forward in float64 (bias too)."""
-    return F.reference_forward(x.double(), {k: v.double() if k == "bias" else v for k, v in t.items()})
-
-
-def assert_close(got, want, tol, what):
-    err = float((got.double() - want).abs().max())
-    assert err <= tol * float(want.abs().max()), f"{what}: max err {err:.3e} vs scale {float(want.abs().max()):.3e}"
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
@@ -73,7 +42,7 @@ def test_forward_gemv_and_gemm_paths(host, bits):
         x = torch.randn(m, 96, generator=g).half()
         got = lay.forward(x, path)
         assert got.dtype == torch.float16 and got.shape == (m, 64)
-        assert_close(got, reference(x, t), tol, f"{path} m={m}")
+        assert_rel_close(got, trellis_reference(x, t), tol, f"{path} m={m}")
 
 
 def test_bad_tensors_are_named(host):
@@ -89,13 +58,13 @@ def test_bad_tensors_are_named(host):
 
 @pytest.mark.parametrize("bits", range(1, 8))
 def test_two_table_dequant_is_the_scaled_code_rounded_once(host, bits):
-    t = two_table(48, 64, bits, seed=100 + bits)
+    t = random_two_table(48, 64, bits, seed=100 + bits)
     assert torch.equal(layer(host, t).dequantize(), F.trellis_decode(t, torch.float64).half())
 
 
 def test_two_table_dequant_launcher_stays_in_bounds(host):
     """Row ranges of the GEMM path's tile loop, each into a guarded buffer."""
-    t = two_table(80, 48, 3, seed=7)
+    t = random_two_table(80, 48, 3, seed=7)
     lay, want = layer(host, t), F.trellis_decode(t, torch.float64).half()
     for n0, n1 in ((0, 80), (16, 48), (64, 80)):
         buf = torch.full(((n1 - n0) * 48 + 128,), -7.0, dtype=torch.float16)
@@ -109,7 +78,7 @@ def test_two_table_gemv_every_row_count(host, bits):
     """The raw GEMV (fp32 in, fp32 out) for M = 1..16 rows against Q̂ u in float64: its instantiations <1>, <2>,
     <4>, <8>, <16> with live rows below the template's, N = 80 (the second block has one warp), K = 48."""
     n, k = 80, 48
-    t = two_table(n, k, bits, seed=20 + bits, bias=False)
+    t = random_two_table(n, k, bits, seed=20 + bits, bias=False)
     lay = layer(host, t)
     assert lay.gemv_max_rows == 16
     q = F.trellis_decode(t, torch.float64)
@@ -130,7 +99,7 @@ def test_two_table_gemv_every_row_count(host, bits):
                                              (7, (32, 144), True)])
 def test_two_table_forward_paths(host, bits, shape, bias):
     n, k = shape
-    t = two_table(n, k, bits, seed=30 + bits, bias=bias)
+    t = random_two_table(n, k, bits, seed=30 + bits, bias=bias)
     lay = layer(host, t)
     assert (lay.in_features, lay.out_features) == (k, n)
     g = torch.Generator().manual_seed(bits)
@@ -139,7 +108,7 @@ def test_two_table_forward_paths(host, bits, shape, bias):
         x = torch.randn(m, k, generator=g).half()
         got = lay.forward(x, path)
         assert got.dtype == torch.float16 and got.shape == (m, n)
-        assert_close(got, reference(x, t), tol, f"{path} m={m}")
+        assert_rel_close(got, trellis_reference(x, t), tol, f"{path} m={m}")
     x = torch.randn(2, 3, k, generator=g).half()  # leading dimensions are kept
     assert lay.forward(x, "auto").shape == (2, 3, n)
 
@@ -147,7 +116,7 @@ def test_two_table_forward_paths(host, bits, shape, bias):
 @pytest.mark.parametrize("code", [1, 2])
 def test_gemv_is_batch_invariant(host, code):
     """A row's output is bit for bit the same at every row count the GEMV takes (1..8 code 1, 1..16 code 2)."""
-    t = two_table(64, 96, 3, seed=5) if code == 2 else random_trellis(64, 96, 3, 12, seed=5)
+    t = random_two_table(64, 96, 3, seed=5) if code == 2 else random_trellis(64, 96, 3, 12, seed=5)
     lay = layer(host, t)
     rows = lay.gemv_max_rows
     assert rows == (16 if code == 2 else 8)
@@ -160,13 +129,13 @@ def test_gemv_is_batch_invariant(host, code):
 
 def test_two_table_default_tables(host):
     """The quantizer's tables (exl.format.two_table_default) through every path."""
-    t = two_table(32, 64, 2, seed=3)
+    t = random_two_table(32, 64, 2, seed=3)
     t["tcode"] = F.two_table_default()
     lay = layer(host, t)
     assert torch.equal(lay.dequantize(), F.trellis_decode(t, torch.float64).half())
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)).half()
-    assert_close(lay.forward(x, "gemv"), reference(x, t), 3e-3, "gemv")
-    assert_close(lay.forward(x, "gemm"), reference(x, t), 1e-2, "gemm")
+    assert_rel_close(lay.forward(x, "gemv"), trellis_reference(x, t), 3e-3, "gemv")
+    assert_rel_close(lay.forward(x, "gemm"), trellis_reference(x, t), 1e-2, "gemm")
 
 
 def meta(version, bits, state_bits, code, mul=0, add=0):
@@ -174,7 +143,7 @@ def meta(version, bits, state_bits, code, mul=0, add=0):
 
 
 def test_two_table_bad_tensors_are_named(host):
-    t = two_table(32, 32, 3, seed=1)
+    t = random_two_table(32, 32, 3, seed=1)
     args = (t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"])
     with pytest.raises(RuntimeError, match="needs its tables: pass tcode"):
         host.TrellisLinearCUDA(*args)
