@@ -73,17 +73,27 @@ def test_two_table_dequant_launcher_stays_in_bounds(host):
         assert torch.equal(buf[64 : 64 + (n1 - n0) * 48].view(n1 - n0, 48), want[n0:n1])
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 7])
-def test_two_table_gemv_every_row_count(host, bits):
-    """The raw GEMV (fp32 in, fp32 out) for M = 1..16 rows against Q̂ u in float64: its instantiations <1>, <2>,
-    <4>, <8>, <16> with live rows below the template's, N = 80 (the second block has one warp), K = 48."""
-    n, k = 80, 48
-    t = random_two_table(n, k, bits, seed=20 + bits, bias=False)
+def test_gemv_split_of_k(host):
+    """K-slices of at least 4 tiles, about 2048 warps, none empty; the shape alone decides."""
+    assert host.trellis_gemv_split(80, 48) == (1, 3)  # 3 tiles: no split
+    assert host.trellis_gemv_split(48, 416) == (6, 5)  # 26 tiles: 5 + 5 + 5 + 5 + 5 + 1
+    assert host.trellis_gemv_split(576, 576) == (9, 4)  # 36 rows: 2048 warps would want 57 slices
+    assert host.trellis_gemv_split(4096, 4096) == (8, 32)  # 256 rows x 8 slices = 2048 warps
+
+
+@pytest.mark.parametrize("code,bits", [(2, 1), (2, 2), (2, 3), (2, 4), (2, 7), (1, 3), (1, 8)])
+@pytest.mark.parametrize("n,k", [(80, 48), (48, 416)])
+def test_gemv_every_row_count(host, code, bits, n, k):
+    """The raw GEMV (fp32 in, fp32 out) for every row count it takes against Q̂ u in float64: every template
+    instantiation with live rows below the template's; N = 80 (the second block has one warp), K = 48;
+    N = 48, K = 416 (six K-slices, the last of one tile, added by the second launch)."""
+    t = (random_two_table(n, k, bits, seed=20 + bits, bias=False) if code == 2
+         else random_trellis(n, k, bits, 16 if bits < 8 else 8, seed=20 + bits, bias=False))
     lay = layer(host, t)
-    assert lay.gemv_max_rows == 16
+    assert lay.gemv_max_rows == (16 if code == 2 else 8)
     q = F.trellis_decode(t, torch.float64)
     g = torch.Generator().manual_seed(bits)
-    for m in range(1, 17):
+    for m in range(1, lay.gemv_max_rows + 1):
         u = torch.randn(m, k, generator=g)
         buf = torch.full((m * k + 64,), float("nan"))  # reading past the M rows gives NaN
         buf[: m * k] = u.flatten()
@@ -115,12 +125,14 @@ def test_two_table_forward_paths(host, bits, shape, bias):
 
 @pytest.mark.parametrize("code", [1, 2])
 def test_gemv_is_batch_invariant(host, code):
-    """A row's output is bit for bit the same at every row count the GEMV takes (1..8 code 1, 1..16 code 2)."""
-    t = random_two_table(64, 96, 3, seed=5) if code == 2 else random_trellis(64, 96, 3, 12, seed=5)
+    """A row's output is bit for bit the same at every row count the GEMV takes (1..8 code 1, 1..16 code 2),
+    with a K split (3 slices)."""
+    t = random_two_table(64, 192, 3, seed=5) if code == 2 else random_trellis(64, 192, 3, 12, seed=5)
     lay = layer(host, t)
+    assert host.trellis_gemv_split(64, 192) == (3, 4)
     rows = lay.gemv_max_rows
     assert rows == (16 if code == 2 else 8)
-    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(code)).half()
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(code)).half()
     full = lay.forward(x, "auto")
     for m in range(1, rows):
         assert torch.equal(lay.forward(x[:m], "auto"), full[:m]), f"m={m}"

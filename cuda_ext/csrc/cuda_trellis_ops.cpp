@@ -125,9 +125,13 @@ class TrellisLinearCUDA {
     auto z = torch::empty({M, N}, f32);
     const int gemv_rows = max_trellis_gemv_rows(dev_.code);
     if (path == "gemv" || (path == "auto" && M <= gemv_rows)) {
+      const int64_t slices = trellis_gemv_split(N, K).count;
+      torch::Tensor partial;  // the K split's partial sums
+      if (slices > 1) partial = torch::empty({slices * std::min<int64_t>(gemv_rows, M) * N}, f32);
       for (int64_t m0 = 0; m0 < M; m0 += gemv_rows) {
         const int rows = int(std::min<int64_t>(gemv_rows, M - m0));
-        launch_trellis_gemv(dev_, u.data_ptr<float>() + m0 * K, rows, z.data_ptr<float>() + m0 * N, stream);
+        launch_trellis_gemv(dev_, u.data_ptr<float>() + m0 * K, rows, z.data_ptr<float>() + m0 * N,
+                            slices > 1 ? partial.data_ptr<float>() : nullptr, stream);
       }
     } else {
       const auto uh = u.to(torch::kHalf);

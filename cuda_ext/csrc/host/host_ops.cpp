@@ -85,8 +85,15 @@ void bind_host(pybind11::module_& m) {
     TORCH_CHECK(x.dim() == 2 && x.size(1) == T.K && x.size(0) <= max_trellis_gemv_rows(T.code) &&
                     z.numel() == x.size(0) * T.N,
                 "exl_cuda_host.trellis_gemv: shapes");
-    launch_trellis_gemv(T, x.data_ptr<float>(), int(x.size(0)), z.data_ptr<float>(), nullptr);
+    const int64_t slices = trellis_gemv_split(T.N, T.K).count;
+    auto partial = torch::empty({slices > 1 ? slices * x.size(0) * T.N : 0}, x.options());
+    launch_trellis_gemv(T, x.data_ptr<float>(), int(x.size(0)), z.data_ptr<float>(),
+                        slices > 1 ? partial.data_ptr<float>() : nullptr, nullptr);
     check_launch();
+  });
+  m.def("trellis_gemv_split", [](int64_t N, int64_t K) {
+    const TrellisSplit s = trellis_gemv_split(N, K);
+    return std::make_tuple(s.count, s.tiles);
   });
   m.def("trellis_dequant", [](const TrellisLinearCUDA& layer, int64_t n0, int64_t n1, torch::Tensor out) {
     const TrellisDev& T = layer.dev();
