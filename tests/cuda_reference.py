@@ -109,7 +109,8 @@ def random_trellis(n, k, bits, state_bits, seed=0, bias=True, code=1):
          "sv": F.pack_signs(torch.where(torch.rand(n, generator=g) < 0.5, -1, 1))}
     if code == F.CODE_TWO_TABLE:
         tcode = torch.randint(-128, 128, (256,), generator=g, dtype=torch.int8)
-        tcode[:2], tcode[128:130] = torch.tensor([-128, 127], dtype=torch.int8), torch.tensor([127, -128], dtype=torch.int8)
+        extremes = torch.tensor([-128, 127], dtype=torch.int8)
+        tcode[:2], tcode[128:130] = extremes, extremes.flip(0)  # both tables' extremes, either sign
         t["tcode"] = tcode
     if bias:
         t["bias"] = torch.randn(n, generator=g) * 0.1

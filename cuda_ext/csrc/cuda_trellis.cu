@@ -107,11 +107,11 @@ __global__ void trellis_gemv_kernel(TrellisDev T, const float* __restrict__ x, i
 
 // Code 2 (layout 2), one warp per tile row (16 outputs) and K-slice. Lane l decodes weights
 // t = 8l .. 8l+7 of every tile of its slice: two quads, each 4 consecutive inputs 16j + 4(l div 8) .. +3
-// of one output, outputs 2(l mod 8) (t = 8l .. 8l+3) and 2(l mod 8) + 1 (t = 8l+4 .. 8l+7). Their 12-bit windows lie in the 3
-// words from bit 8lK on (K <= 7: the window starts at most 24 bits into the first word and ends by
-// bit 24 + 7K + 12 <= 85). T_a and T_b are 32 shared-memory words each, one per bank, so the lookups
-// never conflict. Each row's sums run in the same order whatever M is (batch invariance); the partial
-// sums of the 4 lanes with the same l mod 8 are added at the end.
+// of one output, outputs 2(l mod 8) (t = 8l .. 8l+3) and 2(l mod 8) + 1 (t = 8l+4 .. 8l+7). Their
+// 12-bit windows lie in the 3 words from bit 8lK on (K <= 7: the window starts at most 24 bits into
+// the first word and ends by bit 24 + 7K + 12 <= 85). T_a and T_b are 32 shared-memory words each,
+// one per bank, so the lookups never conflict. Each row's sums run in the same order whatever M is
+// (batch invariance); the partial sums of the 4 lanes with the same l mod 8 are added at the end.
 template <int MR>
 __global__ void two_table_gemv_kernel(TrellisDev T, const float* __restrict__ x, int M, float* __restrict__ z,
                                       int64_t slice_tiles, float* __restrict__ partial) {

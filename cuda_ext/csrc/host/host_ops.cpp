@@ -98,7 +98,8 @@ void bind_host(pybind11::module_& m) {
   m.def("trellis_dequant", [](const TrellisLinearCUDA& layer, int64_t n0, int64_t n1, torch::Tensor out) {
     const TrellisDev& T = layer.dev();
     check_out(out, at::kHalf, "out");
-    TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= T.N && n0 % kTile == 0 && n1 % kTile == 0 && out.numel() == (n1 - n0) * T.K,
+    TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= T.N && n0 % kTile == 0 && n1 % kTile == 0 &&
+                    out.numel() == (n1 - n0) * T.K,
                 "exl_cuda_host.trellis_dequant: shapes");
     launch_trellis_dequant(T, n0, n1, reinterpret_cast<__half*>(out.data_ptr<at::Half>()), nullptr);
     check_launch();
