@@ -81,8 +81,8 @@ def test_gemv_split_of_k(host):
     assert host.trellis_gemv_split(4096, 4096) == (8, 32)  # 256 rows x 8 slices = 2048 warps
 
 
-@pytest.mark.parametrize("code,bits", [(2, 1), (2, 2), (2, 3), (2, 4), (2, 7), (1, 3), (1, 8)])
-@pytest.mark.parametrize("n,k", [(80, 48), (48, 416)])
+@pytest.mark.parametrize("code,bits,n,k", [(2, b, 80, 48) for b in (1, 2, 3, 4, 7)] + [(1, 3, 80, 48)]
+                         + [(c, b, 48, 416) for c, b in ((2, 2), (2, 7), (1, 3), (1, 8))])
 def test_gemv_every_row_count(host, code, bits, n, k):
     """The raw GEMV (fp32 in, fp32 out) for every row count it takes against Q̂ u in float64: every template
     instantiation with live rows below the template's; N = 80 (the second block has one warp), K = 48;
@@ -134,7 +134,7 @@ def test_gemv_is_batch_invariant(host, code):
     assert rows == (16 if code == 2 else 8)
     x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(code)).half()
     full = lay.forward(x, "auto")
-    for m in range(1, rows):
+    for m in (1, 2, 3, 5, rows // 2 + 1, rows - 1):
         assert torch.equal(lay.forward(x[:m], "auto"), full[:m]), f"m={m}"
         assert torch.equal(lay.forward(x[rows - m :], "gemv"), full[rows - m :]), f"last {m} rows"
 
