@@ -105,6 +105,15 @@ __global__ void trellis_gemv_kernel(TrellisDev T, const float* __restrict__ x, i
   }
 }
 
+// Code 2's value of a state (trellis_value, docs/format.md §7.3) in fewer steps: its indices
+// (a + b) mod 128 and (a - b) mod 128, a = s mod 128, b = (s >> 5) mod 128, are (s + (s >> 5)) mod 128
+// and (s - (s >> 5)) mod 128, as the low 7 bits of a sum or difference depend only on the operands'
+// low 7 bits. So the state's bits from bit 12 on may be anything.
+__device__ __forceinline__ int two_table_value(uint32_t state, const int8_t* tables) {
+  const uint32_t b = state >> 5;
+  return int(tables[(state + b) & 127u]) + int(tables[kTwoTableSize + ((state - b) & 127u)]);
+}
+
 // Code 2 (layout 2), one warp per tile row (16 outputs) and K-slice. Lane l decodes weights
 // t = 8l .. 8l+7 of every tile of its slice: two quads, each 4 consecutive inputs 16j + 4(l div 8) .. +3
 // of one output, outputs 2(l mod 8) (t = 8l .. 8l+3) and 2(l mod 8) + 1 (t = 8l+4 .. 8l+7). Their
@@ -118,9 +127,6 @@ __global__ void two_table_gemv_kernel(TrellisDev T, const float* __restrict__ x,
   __shared__ int8_t tables[2 * kTwoTableSize];
   for (int e = threadIdx.x; e < 2 * kTwoTableSize; e += blockDim.x) tables[e] = T.code.tables[e];
   __syncthreads();
-  TrellisCode code = T.code;
-  code.code = kCodeTwoTable;  // a constant: trellis_value compiles to the two lookups alone
-  code.tables = tables;
   const int lane = threadIdx.x & 31;
   const int64_t i = int64_t(blockIdx.x) * kTrellisWarps + (threadIdx.x >> 5);
   if (i >= T.N / kTile) return;  // a whole warp leaves together
@@ -136,12 +142,15 @@ __global__ void two_table_gemv_kernel(TrellisDev T, const float* __restrict__ x,
   for (int64_t j = j0; j < j1; ++j, w += n) {
     const uint32_t lo = lane < n ? __ldg(w + lane) : 0u, hi = lane + 32 < n ? __ldg(w + lane + 32) : 0u;
     const uint32_t w0 = tile_word(lo, hi, a0, n), w1 = tile_word(lo, hi, a0 + 1, n), w2 = tile_word(lo, hi, a0 + 2, n);
+    // The lane's 8 windows, bits 8lK .. 8lK + 7K + 11 of the stream (at most 61), as one 64-bit value
+    // (rest:state) that slides K bits per weight.
+    uint32_t state = __funnelshift_r(w0, w1, sh0), rest = __funnelshift_r(w1, w2, sh0);
     float v[8];
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
-      const int b = sh0 + r * K, q = b >> 5;  // q <= 2: the window is in (w_q, w_q+1), or in w2 alone
-      const uint32_t s = __funnelshift_r(q == 0 ? w0 : q == 1 ? w1 : w2, q == 0 ? w1 : w2, b & 31) & 0xFFFu;
-      v[r] = float(trellis_value(s, code));
+      v[r] = float(two_table_value(state, tables));
+      state = __funnelshift_r(state, rest, K);
+      rest >>= K;
     }
     const float* xj = x + j * kTile + col;
 #pragma unroll
