@@ -125,8 +125,9 @@ def test_two_table_forward_paths(host, bits, shape, bias):
 
 @pytest.mark.parametrize("code", [1, 2])
 def test_gemv_is_batch_invariant(host, code):
-    """A row's output is bit for bit the same at every row count the GEMV takes (1..8 code 1, 1..16 code 2),
-    with a K split (3 slices)."""
+    """A row's output is bit for bit the same whatever the row count of the GEMV (code 1 up to 8, code 2 up
+    to 16; checked at 1, 2, 3, 5, half, all but one and all rows, as the first or the last rows), with a K split
+    (3 slices)."""
     t = random_two_table(64, 192, 3, seed=5) if code == 2 else random_trellis(64, 192, 3, 12, seed=5)
     lay = layer(host, t)
     assert host.trellis_gemv_split(64, 192) == (3, 4)
