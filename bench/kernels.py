@@ -5,6 +5,7 @@
     python bench/kernels.py --isas avxvnni,avx512vnni [--model DIR]   # int8 GEMV per instruction set
     python bench/kernels.py --trellis [--isas avx2,avx512vnni]   # trellis GEMV vs 4-bit scalar, per ISA
     python bench/kernels.py [--cuda] --json   # one JSON line: decode GEMV GB/s against the device's bandwidth
+                                              # (with --cuda also the trellis GEMV, code 1 and code 2)
 
 The --isas mode times the int8-activation GEMV of each instruction set on SmolLM2's real segment
 mixes (hot, one row; the cost of each extra activation row from 2 to 16 rows) and, with --model,
@@ -273,6 +274,32 @@ SPEC_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350, "A1
             "RTX 5090": 1792, "RTX 4090": 1008, "RTX 3090": 936, "L40S": 864, "L4": 300}
 
 
+TRELLIS_CUDA_SHAPES = [(576, 576), (4096, 4096), (14336, 4096), (4096, 14336)]
+TRELLIS_CUDA_CASES = [(1, 3), (2, 2), (2, 3), (2, 4)]  # (code, K): the quantizer writes code 2 for K <= 4
+
+
+def trellis_gemv_rates(ext, sync, dev="cuda", shapes=TRELLIS_CUDA_SHAPES, cases=TRELLIS_CUDA_CASES):
+    """One-row TrellisLinearCUDA forward (rotations included, "gemv" path) per shape, code and K: microseconds
+    and GB/s of stored bytes (trellis + tscale + tcode). Random streams, the quantizer's code-2 tables."""
+    out = []
+    for n, k in shapes:
+        for code, bits in cases:
+            g = torch.Generator().manual_seed(bits)
+            meta = F.TrellisMeta(bits, F.TWO_TABLE_STATE_BITS, code=code)
+            words = torch.randint(-(2**31), 2**31, (n // 16, k // 16, meta.words_per_tile), generator=g,
+                                  dtype=torch.int64).to(torch.int32)
+            tcode = F.two_table_default().to(dev) if code == F.CODE_TWO_TABLE else None
+            q = ext.TrellisLinearCUDA(words.to(dev), (torch.rand(n, generator=g) * 1e-3).half().to(dev),
+                                      meta.to_tensor(), F.pack_signs(torch.ones(k)).to(dev),
+                                      F.pack_signs(torch.ones(n)).to(dev), None, tcode=tcode)
+            x = torch.randn(1, k, generator=g).half().to(dev)
+            secs = best_time(lambda: q.forward(x, "gemv"), sync)
+            nbytes = 4 * words.numel() + 2 * n + (256 if tcode is not None else 0)
+            out.append({"shape": f"{n}x{k}", "code": code, "bits": bits, "us": round(secs * 1e6, 2),
+                        "gbs": round(nbytes / secs / 1e9, 1)})
+    return out
+
+
 def gemv_json(args):
     """One JSON line: the one-row GEMV (decode) of each shape, in GB/s of packed weights streamed, and the
     largest shape's rate as a fraction of the device's copy bandwidth (read + write) and of its datasheet."""
@@ -301,10 +328,12 @@ def gemv_json(args):
     name = torch.cuda.get_device_name() if cuda else "cpu"
     spec = next((v for key, v in SPEC_GBS.items() if key in name), None)
     largest = max(rows, key=lambda r: r["bytes"])
+    trellis = trellis_gemv_rates(ext, sync) if cuda else None  # the CPU trellis kernels: --trellis
     print(json.dumps({"device": name, "bits": args.bits, "copy_gbs": round(copy, 1), "spec_gbs": spec,
                       "largest": largest["shape"], "gbs": largest["gbs"],
                       "fraction_of_copy": round(largest["gbs"] / copy, 3),
-                      "fraction_of_spec": round(largest["gbs"] / spec, 3) if spec else None, "shapes": rows}))
+                      "fraction_of_spec": round(largest["gbs"] / spec, 3) if spec else None, "shapes": rows,
+                      "trellis": trellis}))
 
 
 def main():
