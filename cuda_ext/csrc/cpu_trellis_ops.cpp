@@ -162,7 +162,7 @@ class TrellisLinearCPU : public LinearCPU {
     const TrellisLayer L = layer();
     float* yp = y.data_ptr<float>();
     const int64_t tiles = N_ / kTile;
-    const int64_t grain = std::max<int64_t>(2, (int64_t(1) << 14) / std::max<int64_t>(K_, 1));
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 12) / std::max<int64_t>(K_, 1));  // tiles: ~64K weights, as the scalar layers
     if (gemm) {
       gemm_(L, at::from_blob(up, {M, K_}, at::kFloat), y);
     } else if (int8) {
