@@ -39,6 +39,20 @@ KERNELS = {
         "one block per (row, 2048-value chunk): load, log2(block) butterfly passes in shared memory, store "
         "(at scatter[i] when the act-order permutation is fused in); optional sign bits and fp32 bias",
         "sizeof(TI) read + sizeof(TO) written (+1/8 signs, +4 bias, +4 scatter index)")),
+    "trellis_gemv_kernel<MR>": dict(threads=128, dyn_smem=0, pattern=(
+        "trellis code 1: one warp per 16 outputs and K-slice (>= 4 tiles, ~2048 warps a launch; split_sum_kernel "
+        "adds the slices) loops over its tiles (b·32 B each, one coalesced load, "
+        "words passed by shuffles); lane l decodes 8 weights of input 16j + l/2 (a multiply-add and a byte sum "
+        "each) into MR·8 fp32 accumulators; x (fp32) read through L1", "b/8 + 2/16 read per weight and row group")),
+    "two_table_gemv_kernel<MR>": dict(threads=128, dyn_smem=0, pattern=(
+        "trellis code 2: one warp per 16 outputs and K-slice (as code 1) loops over its tiles; lane l decodes "
+        "8 weights (2 outputs x 4 inputs, two shared-memory table lookups each, 256 B of tables per block) and "
+        "does MR float4 x loads and 8·MR FMAs", "b/8 + 2/16 read per weight and row group")),
+    "split_sum_kernel": dict(threads=256, dyn_smem=0, pattern=(
+        "one thread per (row, output): adds the trellis GEMV's S slice sums in order, scales", "4S read, 4 written")),
+    "trellis_dequant_kernel": dict(threads=256, dyn_smem=0, pattern=(
+        "one block per 16x16 tile: thread p decodes the weight at row p/16, column p%16 (either layout) and "
+        "writes one fp16 (16 threads = one 32 B row segment)", "b/8 read, 2 written")),
     "kv_quantize_kernel<B>": dict(threads=128, dyn_smem=4 * 128 * 4, pattern=(
         "one warp per head vector (d = 128 shown: 2 KiB of dynamic shared memory per block), FWHT in shared "
         "memory, one lane per group of 32", "2 read, b/8 + 1/16 written per channel")),

@@ -4,7 +4,8 @@
 # `exl bench` (pp512/tg128) and one `exl serve` stream on it. Progress goes to stderr; stdout gets ONE
 # JSON line:
 #   {"ok", "device", "torch", "seconds", "tests": {passed, failed, errors, skipped},
-#    "gemv": {gbs, fraction_of_copy, fraction_of_spec, ...}, "bench": {pp512, tg128}, "serve": {decode_tok_s, ...},
+#    "gemv": {gbs, fraction_of_copy, fraction_of_spec, ...}, "trellis_gemv": ["NxK cC KB: GB/s", ...] (one-row
+#    trellis GEMV, codes 1 and 2), "bench": {pp512, tg128}, "serve": {decode_tok_s, ...},
 #    "failed_steps": [...]}
 #
 #   bash bench/gpu_check.sh --gguf PATH [--wheels DIR] [--work DIR]
@@ -159,5 +160,7 @@ print(json.dumps({
     "torch": (info or {}).get("torch"), "seconds": int(secs), "tests": tests,
     "gemv": {k: gemv[k] for k in ("largest", "gbs", "copy_gbs", "fraction_of_copy", "spec_gbs", "fraction_of_spec")}
             if gemv else None,
+    "trellis_gemv": [f"{r['shape']} c{r['code']} K{r['bits']}: {r['gbs']} GB/s" for r in gemv.get("trellis") or []]
+                    if gemv else None,
     "bench": tg or None, "serve": serve, "failed_steps": failed}))
 EOF

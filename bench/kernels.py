@@ -5,6 +5,7 @@
     python bench/kernels.py --isas avxvnni,avx512vnni [--model DIR]   # int8 GEMV per instruction set
     python bench/kernels.py --trellis [--isas avx2,avx512vnni]   # trellis GEMV vs 4-bit scalar, per ISA
     python bench/kernels.py [--cuda] --json   # one JSON line: decode GEMV GB/s against the device's bandwidth
+                                              # (with --cuda also the trellis GEMV, code 1 and code 2)
 
 The --isas mode times the int8-activation GEMV of each instruction set on SmolLM2's real segment
 mixes (hot, one row; the cost of each extra activation row from 2 to 16 rows) and, with --model,
@@ -176,12 +177,23 @@ def bench_isas(args):
 TRELLIS_SHAPES = [(576, 576), (1536, 576), (576, 1536)]
 
 
-def trellis_layer(n, k, bits, state_bits=16, seed=0):
+def trellis_layer(n, k, bits, state_bits=16, seed=0, code=F.CODE_LCG_BYTESUM):
+    """Random walks; code 2 (L = 12) with the quantizer's default tables."""
     g = torch.Generator().manual_seed(seed)
-    meta = F.TrellisMeta(bits, state_bits)
+    if code == F.CODE_TWO_TABLE:
+        state_bits = F.TWO_TABLE_STATE_BITS
+    meta = F.TrellisMeta(bits, state_bits, code=code)
     words = torch.randint(-(2**31), 2**31, (n // 16, k // 16, meta.words_per_tile), generator=g, dtype=torch.int64)
-    return {"trellis": words.to(torch.int32), "tscale": (torch.rand(n, generator=g) * 1e-3).half(),
-            "tmeta": meta.to_tensor(), "su": F.pack_signs(torch.ones(k)), "sv": F.pack_signs(torch.ones(n))}
+    t = {"trellis": words.to(torch.int32), "tscale": (torch.rand(n, generator=g) * 1e-3).half(),
+         "tmeta": meta.to_tensor(), "su": F.pack_signs(torch.ones(k)), "sv": F.pack_signs(torch.ones(n))}
+    if code == F.CODE_TWO_TABLE:
+        t["tcode"] = F.two_table_default()
+    return t
+
+
+def trellis_kernel(ext, t, isa):
+    return ext.TrellisLinearCPU(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], None, isa,
+                                tcode=t.get("tcode"))
 
 
 def bench_trellis(args):
@@ -202,12 +214,12 @@ def bench_trellis(args):
         rows = [("scalar 4-bit", sc, lambda t, isa: ext.QuantLinearCPU(t["qweight"], t["qscale"], t["qmeta"], None,
                                                                          t["su"], t["sv"], None, isa), "int8",
                  sc["qweight"].numel() + 2 * sc["qscale"].numel())]
-        for bits in args.trellis_bits:
-            t = trellis_layer(n, k, bits, args.state_bits)
-            for path in ("fp32", "int8"):
-                rows.append((f"trellis K={bits} {path}", t, lambda t, isa: ext.TrellisLinearCPU(
-                    t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], None, isa), path,
-                    4 * t["trellis"].numel() + 2 * n))
+        for code in args.codes:
+            for bits in args.trellis_bits:
+                t = trellis_layer(n, k, bits, args.state_bits, code=code)
+                for path in ("fp32", "int8"):
+                    rows.append((f"c{code} K={bits} {path}", t, lambda t, isa: trellis_kernel(ext, t, isa), path,
+                                 4 * t["trellis"].numel() + 2 * n))
         for name, t, make, path, nbytes in rows:
             cells = []
             for isa in isas:
@@ -220,15 +232,16 @@ def bench_trellis(args):
             print(f"{n:>6}x{k:<5} {name:<20}" + "".join(f"{c:>20}" for c in cells), flush=True)
     print("several rows, trellis K=3, best ISA: us per call for M rows; extra row = (M16 - M2) / 14; gemm for M rows")
     for n, k in TRELLIS_SHAPES:
-        t = trellis_layer(n, k, 3, args.state_bits)
-        q = ext.TrellisLinearCPU(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], None, isas[-1])
-        xs = {m: torch.randn(m, k) for m in (1, 2, 4, 8, 16, 24, 32, 48)}
-        for path in ("fp32", "int8") if q.has_int8 else ("fp32",):
-            gemv = {m: cpu_time(lambda: q.forward(xs[m], path), 10) for m in xs}
-            print(f"{n:>6}x{k:<5} {path} " + " ".join(f"M{m}={v * 1e6:.0f}" for m, v in gemv.items())
-                  + f"  extra row {(gemv[16] - gemv[2]) / 14 * 1e6:.1f} us", flush=True)
-        gemm = {m: cpu_time(lambda: q.forward(xs[m], "gemm"), 10) for m in xs if m >= 8}
-        print(f"{'':>12} gemm " + " ".join(f"M{m}={v * 1e6:.0f}" for m, v in gemm.items()), flush=True)
+        for code in args.codes:
+            t = trellis_layer(n, k, 3, args.state_bits, code=code)
+            q = trellis_kernel(ext, t, isas[-1])
+            xs = {m: torch.randn(m, k) for m in (1, 2, 4, 8, 16, 24, 32, 48)}
+            for path in ("fp32", "int8") if q.has_int8 else ("fp32",):
+                gemv = {m: cpu_time(lambda: q.forward(xs[m], path), 10) for m in xs}
+                print(f"{n:>6}x{k:<5} c{code} {path} " + " ".join(f"M{m}={v * 1e6:.0f}" for m, v in gemv.items())
+                      + f"  extra row {(gemv[16] - gemv[2]) / 14 * 1e6:.1f} us", flush=True)
+            gemm = {m: cpu_time(lambda: q.forward(xs[m], "gemm"), 10) for m in xs if m >= 8}
+            print(f"{'':>12} c{code} gemm " + " ".join(f"M{m}={v * 1e6:.0f}" for m, v in gemm.items()), flush=True)
 
 
 def bench_cuda(args):
@@ -261,6 +274,32 @@ SPEC_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350, "A1
             "RTX 5090": 1792, "RTX 4090": 1008, "RTX 3090": 936, "L40S": 864, "L4": 300}
 
 
+TRELLIS_CUDA_SHAPES = [(576, 576), (4096, 4096), (14336, 4096), (4096, 14336)]
+TRELLIS_CUDA_CASES = [(1, 3), (2, 2), (2, 3), (2, 4)]  # (code, K): the quantizer writes code 2 for K <= 4
+
+
+def trellis_gemv_rates(ext, sync, dev="cuda", shapes=TRELLIS_CUDA_SHAPES, cases=TRELLIS_CUDA_CASES):
+    """One-row TrellisLinearCUDA forward (rotations included, "gemv" path) per shape, code and K: microseconds
+    and GB/s of stored bytes (trellis + tscale + tcode). Random streams, the quantizer's code-2 tables."""
+    out = []
+    for n, k in shapes:
+        for code, bits in cases:
+            g = torch.Generator().manual_seed(bits)
+            meta = F.TrellisMeta(bits, F.TWO_TABLE_STATE_BITS, code=code)
+            words = torch.randint(-(2**31), 2**31, (n // 16, k // 16, meta.words_per_tile), generator=g,
+                                  dtype=torch.int64).to(torch.int32)
+            tcode = F.two_table_default().to(dev) if code == F.CODE_TWO_TABLE else None
+            q = ext.TrellisLinearCUDA(words.to(dev), (torch.rand(n, generator=g) * 1e-3).half().to(dev),
+                                      meta.to_tensor(), F.pack_signs(torch.ones(k)).to(dev),
+                                      F.pack_signs(torch.ones(n)).to(dev), None, tcode=tcode)
+            x = torch.randn(1, k, generator=g).half().to(dev)
+            secs = best_time(lambda: q.forward(x, "gemv"), sync)
+            nbytes = 4 * words.numel() + 2 * n + (256 if tcode is not None else 0)
+            out.append({"shape": f"{n}x{k}", "code": code, "bits": bits, "us": round(secs * 1e6, 2),
+                        "gbs": round(nbytes / secs / 1e9, 1)})
+    return out
+
+
 def gemv_json(args):
     """One JSON line: the one-row GEMV (decode) of each shape, in GB/s of packed weights streamed, and the
     largest shape's rate as a fraction of the device's copy bandwidth (read + write) and of its datasheet."""
@@ -289,10 +328,12 @@ def gemv_json(args):
     name = torch.cuda.get_device_name() if cuda else "cpu"
     spec = next((v for key, v in SPEC_GBS.items() if key in name), None)
     largest = max(rows, key=lambda r: r["bytes"])
+    trellis = trellis_gemv_rates(ext, sync) if cuda else None  # the CPU trellis kernels: --trellis
     print(json.dumps({"device": name, "bits": args.bits, "copy_gbs": round(copy, 1), "spec_gbs": spec,
                       "largest": largest["shape"], "gbs": largest["gbs"],
                       "fraction_of_copy": round(largest["gbs"] / copy, 3),
-                      "fraction_of_spec": round(largest["gbs"] / spec, 3) if spec else None, "shapes": rows}))
+                      "fraction_of_spec": round(largest["gbs"] / spec, 3) if spec else None, "shapes": rows,
+                      "trellis": trellis}))
 
 
 def main():
@@ -311,6 +352,8 @@ def main():
     ap.add_argument("--trellis", action="store_true", help="trellis GEMV per instruction set vs scalar 4-bit")
     ap.add_argument("--trellis-bits", type=lambda s: [int(v) for v in s.split(",")], default=[2, 3, 4])
     ap.add_argument("--state-bits", type=int, default=12, help="trellis L for --trellis (the quantizer's choice: 12)")
+    ap.add_argument("--codes", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2],
+                    help="trellis codes for --trellis (code 2 always at L = 12, with the default tables)")
     ap.add_argument("--json", action="store_true", help="one JSON line: decode GEMV GB/s vs the device's bandwidth")
     args = ap.parse_args()
     if args.threads:

@@ -249,12 +249,17 @@ def perm_dtype(k: int) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------
 # Trellis-coded layers (docs/format.md §7, format version 2)
 
-TRELLIS_VERSION = 1
+TRELLIS_LAYOUTS = (1, 2)  # tile layouts (§7.2): 1 column-major (code 1), 2 quad-row order (code 2)
 TILE = 16  # a tile is 16 output channels x 16 input channels = 256 weights, one trellis walk
 TILE_WEIGHTS = TILE * TILE
-TRELLIS_SUFFIXES = ("trellis", "tscale", "tmeta", "su", "sv")
-CODE_LCG_BYTESUM = 1  # the only computed code so far (§7.3)
+TRELLIS_SUFFIXES = ("trellis", "tscale", "tmeta", "tcode", "su", "sv")
+CODE_LCG_BYTESUM = 1  # §7.3: a multiply-add and a byte sum per weight
+CODE_TWO_TABLE = 2  # §7.3: the sum of two lookups in 128-entry int8 tables (`P.tcode`)
+CODE_LAYOUT = {CODE_LCG_BYTESUM: 1, CODE_TWO_TABLE: 2}  # each code comes with its tile layout
 CODE_CENTRE = 510  # 4 bytes of 0..255 sum to 0..1020; the centre makes the code symmetric
+TWO_TABLE_STATE_BITS = 12  # code 2 is defined for L = 12 only
+TWO_TABLE_MAX_BITS = 7  # and K_b <= 7 (a decoder reads each weight's two index bytes from one 64-bit window)
+TWO_TABLE_SIZE = 128
 
 
 @dataclass(frozen=True)
@@ -266,20 +271,33 @@ class TrellisMeta:
     mul: int = 0xB9D2F219  # A: odd multiplier of the code's LCG (stored as int32 bits); chosen by measurement:
     add: int = 0x29207D73  # B: addend of the code's LCG; docs/quantization.md, bench/trellis_mse.py --constants
     code: int = CODE_LCG_BYTESUM
-    version: int = TRELLIS_VERSION
+    version: int = 0  # tile layout; 0: the code's own (CODE_LAYOUT)
 
     def __post_init__(self):
+        if self.version == 0 and self.code in CODE_LAYOUT:
+            object.__setattr__(self, "version", CODE_LAYOUT[self.code])
+        if self.code == CODE_TWO_TABLE:
+            object.__setattr__(self, "mul", 0)  # unused by code 2, stored as 0
+            object.__setattr__(self, "add", 0)
         if not 1 <= self.bits <= 8:
             raise ValueError(f"trellis bits must be in 1..8, got {self.bits}")
         if not max(8, self.bits) <= self.state_bits <= 16:
             raise ValueError(f"trellis state bits must be in {max(8, self.bits)}..16, got {self.state_bits}")
-        if self.code != CODE_LCG_BYTESUM:
-            raise ValueError(f"unknown trellis code id {self.code}")
-        if self.version != TRELLIS_VERSION:
+        if self.code not in CODE_LAYOUT:
+            raise ValueError(f"unknown trellis code id {self.code} (this exl reads codes {sorted(CODE_LAYOUT)}); "
+                             "update exl")
+        if self.version not in TRELLIS_LAYOUTS:
             raise ValueError(f"trellis layout version {self.version} is not supported (this exl reads "
-                             f"{TRELLIS_VERSION}); update exl")
-        if not self.mul & 1:
+                             f"{TRELLIS_LAYOUTS}); update exl")
+        if self.version != CODE_LAYOUT[self.code]:
+            raise ValueError(f"trellis code {self.code} is stored in tile layout {CODE_LAYOUT[self.code]}, "
+                             f"not {self.version}")
+        if self.code == CODE_LCG_BYTESUM and not self.mul & 1:
             raise ValueError("the trellis code multiplier must be odd")
+        if self.code == CODE_TWO_TABLE and (self.state_bits != TWO_TABLE_STATE_BITS
+                                            or self.bits > TWO_TABLE_MAX_BITS):
+            raise ValueError(f"trellis code 2 needs L = {TWO_TABLE_STATE_BITS} and K_b <= {TWO_TABLE_MAX_BITS}, "
+                             f"got L = {self.state_bits}, K_b = {self.bits}")
 
     @property
     def words_per_tile(self) -> int:
@@ -296,6 +314,8 @@ class TrellisMeta:
         if len(v) != 6:
             raise ValueError(f"tmeta must hold 6 int32 values, got {len(v)}")
         version, bits, state_bits, code, mul, add = v
+        if version == 0:
+            raise ValueError("trellis layout version 0 is not valid in a file")
         return cls(bits, state_bits, mul, add, code, version)
 
 
@@ -304,19 +324,49 @@ def is_trellis(t: dict) -> bool:
     return "trellis" in t
 
 
-def trellis_code(states: torch.Tensor, meta: TrellisMeta) -> torch.Tensor:
-    """The computed code (§7.3): state s -> integer value in [-510, 510].
+def two_table_default() -> torch.Tensor:
+    """The tables exl's quantizer writes as `P.tcode` for code 2 (int8 [256]: T_a then T_b).
 
-    x = (A·s + B) mod 2^32, value = byte0(x) + byte1(x) + byte2(x) + byte3(x) − 510.
-    A sum of four near-uniform bytes is close to Gaussian (σ ≈ 147.8), which suits rotated weights.
+    Both are the 128 Gaussian quantiles Φ⁻¹((i + ½)/128), scaled to a largest magnitude of 127 and rounded,
+    in two seeded random orders (torch.randperm, generator seed 0): near-Gaussian code values of σ ≈ 67.5.
+    Readers never rebuild them: they read `P.tcode`.
     """
+    q = torch.special.ndtri((torch.arange(TWO_TABLE_SIZE, dtype=torch.float64) + 0.5) / TWO_TABLE_SIZE)
+    q = torch.round(q * 127 / q.max()).to(torch.int8)
+    g = torch.Generator().manual_seed(0)
+    return torch.cat([q[torch.randperm(TWO_TABLE_SIZE, generator=g)], q[torch.randperm(TWO_TABLE_SIZE, generator=g)]])
+
+
+def two_table_indices(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Code 2's table indices (§7.3): a = s mod 128, b = (s >> 5) mod 128 -> ((a + b) mod 128, (a − b) mod 128)."""
+    s = states.to(torch.int64)
+    a, b = s & 127, (s >> 5) & 127
+    return (a + b) & 127, (a - b) & 127
+
+
+def trellis_code(states: torch.Tensor, meta: TrellisMeta, tcode: torch.Tensor | None = None) -> torch.Tensor:
+    """The code (§7.3): state s -> integer value.
+
+    Code 1: x = (A·s + B) mod 2^32, value = byte0(x) + byte1(x) + byte2(x) + byte3(x) − 510 (in [−510, 510]);
+    a sum of four near-uniform bytes is close to Gaussian (σ ≈ 147.8), which suits rotated weights.
+    Code 2: value = T_a[(a + b) mod 128] + T_b[(a − b) mod 128] with a, b the state's bits 0–6 and 5–11 and
+    T_a, T_b the two halves of `tcode` (int8 [256]; in [−256, 254]).
+    """
+    if meta.code == CODE_TWO_TABLE:
+        if tcode is None:
+            raise ValueError("trellis code 2 needs its tables (the layer's `tcode` tensor)")
+        if tcode.dtype != torch.int8 or tcode.numel() != 2 * TWO_TABLE_SIZE:
+            raise ValueError(f"tcode must be int8 [{2 * TWO_TABLE_SIZE}], got {tcode.dtype} {list(tcode.shape)}")
+        t = tcode.to(torch.int32).reshape(-1)
+        i, j = two_table_indices(states)
+        return t[i] + t[TWO_TABLE_SIZE + j]
     x = (states.to(torch.int64) * meta.mul + meta.add) & 0xFFFFFFFF
     return ((x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24) - CODE_CENTRE).to(torch.int32)
 
 
-def trellis_codebook(meta: TrellisMeta) -> torch.Tensor:
+def trellis_codebook(meta: TrellisMeta, tcode: torch.Tensor | None = None) -> torch.Tensor:
     """Values of all 2^L states (int32 [2^L]): what a kernel computes, tabulated for the reference."""
-    return trellis_code(torch.arange(2**meta.state_bits), meta)
+    return trellis_code(torch.arange(2**meta.state_bits), meta, tcode)
 
 
 def trellis_states(words: torch.Tensor, meta: TrellisMeta) -> torch.Tensor:
@@ -352,25 +402,38 @@ def trellis_pack(states: torch.Tensor, meta: TrellisMeta) -> torch.Tensor:
     return words
 
 
-def trellis_tiles_to_matrix(tiles: torch.Tensor) -> torch.Tensor:
-    """[N/16, K/16, 256] tile values (weight t at row t mod 16, column t div 16) -> [N, K]."""
+def _tile_order(layout: int) -> torch.Tensor:
+    """For each of a tile's 256 walk positions t, its place row·16 + column in the 16×16 tile (§7.2)."""
+    t = torch.arange(TILE_WEIGHTS)
+    if layout == 1:  # column-major: row t mod 16, column t div 16
+        return (t % TILE) * TILE + t // TILE
+    if layout == 2:  # quad-row order: row (t div 4) mod 16, column 4·(t div 64) + t mod 4
+        return ((t // 4) % TILE) * TILE + 4 * (t // 64) + t % 4
+    raise ValueError(f"unknown trellis tile layout {layout}")
+
+
+def trellis_tiles_to_matrix(tiles: torch.Tensor, layout: int = 1) -> torch.Tensor:
+    """[N/16, K/16, 256] tile values in walk order (layout 1 or 2, §7.2) -> [N, K]."""
     nt, kt, _ = tiles.shape
-    return tiles.view(nt, kt, TILE, TILE).permute(0, 3, 1, 2).reshape(nt * TILE, kt * TILE)
+    square = torch.empty_like(tiles)
+    square[..., _tile_order(layout)] = tiles  # [N/16, K/16, 16·16] row-major inside the tile
+    return square.view(nt, kt, TILE, TILE).permute(0, 2, 1, 3).reshape(nt * TILE, kt * TILE)
 
 
-def trellis_matrix_to_tiles(q: torch.Tensor) -> torch.Tensor:
-    """Inverse of trellis_tiles_to_matrix: [N, K] -> [N/16, K/16, 256]."""
+def trellis_matrix_to_tiles(q: torch.Tensor, layout: int = 1) -> torch.Tensor:
+    """Inverse of trellis_tiles_to_matrix: [N, K] -> [N/16, K/16, 256] in walk order."""
     n, k = q.shape
     if n % TILE or k % TILE:
         raise ValueError(f"a trellis-coded matrix needs N and K multiples of {TILE}, got {n}x{k}")
-    return q.reshape(n // TILE, TILE, k // TILE, TILE).permute(0, 2, 3, 1).reshape(n // TILE, k // TILE, TILE_WEIGHTS)
+    square = q.reshape(n // TILE, TILE, k // TILE, TILE).permute(0, 2, 1, 3).reshape(n // TILE, k // TILE, TILE_WEIGHTS)
+    return square[..., _tile_order(layout)]
 
 
 def trellis_decode(t: dict[str, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
     """The rotated matrix Q̂ [N, K] = tscale[n] · code(state) of a trellis layer (before un-rotation)."""
     meta = TrellisMeta.from_tensor(t["tmeta"])
-    values = trellis_code(trellis_states(t["trellis"], meta), meta)
-    q = trellis_tiles_to_matrix(values).to(torch.float64)
+    values = trellis_code(trellis_states(t["trellis"], meta), meta, t.get("tcode"))
+    q = trellis_tiles_to_matrix(values, meta.version).to(torch.float64)
     return (q * t["tscale"].to(torch.float64)[:, None]).to(dtype)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from exl import format as F
 from exl.format import BLOCK, TILE, Segment, TrellisMeta
 
 
@@ -109,25 +110,45 @@ def candidates(k: int, mixes: bool = True) -> list[Setting]:
 TRELLIS_PREFIX = "trellis"
 
 
+# Code 2 stores 256 bytes of tables per matrix; it is the default only where they cost under 0.02 bpw.
+TWO_TABLE_MIN_WEIGHTS = 8 * 2 * F.TWO_TABLE_SIZE * 50  # n·k ≥ 102 400
+
+
+def default_code(bits: int, state_bits: int, weights: int | None = None) -> int:
+    """The trellis code exl writes (docs/format.md §7.3): code 2 (two tables; 2–3× faster to decode on the
+    CPU) where it is defined and within ~3% of code 1's error (K_b ≤ 4 at L = 12) and its tables cost under
+    0.02 bpw of an n·k = `weights` matrix (None: a large one), else code 1."""
+    if state_bits == F.TWO_TABLE_STATE_BITS and bits <= 4 and (weights is None or weights >= TWO_TABLE_MIN_WEIGHTS):
+        return F.CODE_TWO_TABLE
+    return F.CODE_LCG_BYTESUM
+
+
 @dataclass(frozen=True, order=True)
 class TrellisSetting:
     bits: int  # K_b: bits per weight, 1..8
     state_bits: int = 12  # L
+    code: int = F.CODE_LCG_BYTESUM  # §7.3
 
     @property
     def name(self) -> str:
-        return f"{TRELLIS_PREFIX}{self.bits}/L{self.state_bits}"
+        tail = "" if self.code == F.CODE_LCG_BYTESUM else f"/c{self.code}"
+        return f"{TRELLIS_PREFIX}{self.bits}/L{self.state_bits}{tail}"
 
     @classmethod
     def parse(cls, name: str) -> "TrellisSetting":
-        """Inverse of `name`: 'trellis3/L12'."""
+        """Inverse of `name`: 'trellis3/L12' (code 1) or 'trellis3/L12/c2'."""
         if not name.startswith(TRELLIS_PREFIX):
             raise ValueError(f"not a trellis setting: {name!r}")
-        b, L = name[len(TRELLIS_PREFIX):].split("/L")
-        return cls(int(b), int(L))
+        parts = name[len(TRELLIS_PREFIX):].split("/")
+        try:
+            if len(parts) not in (2, 3) or not parts[1].startswith("L") or (len(parts) == 3 and parts[2][:1] != "c"):
+                raise ValueError
+            return cls(int(parts[0]), int(parts[1][1:]), int(parts[2][1:]) if len(parts) == 3 else F.CODE_LCG_BYTESUM)
+        except ValueError:
+            raise ValueError(f"not a trellis setting: {name!r} (expected e.g. 'trellis3/L12' or 'trellis3/L12/c2')") from None
 
     def meta(self) -> TrellisMeta:
-        return TrellisMeta(self.bits, self.state_bits)
+        return TrellisMeta(self.bits, self.state_bits, code=self.code)
 
     def fits(self, n: int, k: int) -> bool:
         return n % TILE == 0 and k % TILE == 0
@@ -138,9 +159,10 @@ def parse_setting(name: str) -> Setting | TrellisSetting:
     return TrellisSetting.parse(name) if name.startswith(TRELLIS_PREFIX) else Setting.parse(name)
 
 
-def trellis_storage_bits(n: int, k: int, bits: int) -> int:
-    """Bits stored for an [n, k] trellis layer: trellis + tscale + tmeta + su + sv (docs/format.md §7.6)."""
-    return bits * n * k + 16 * n + 32 * 6 + 8 * math.ceil(k / 8) + 8 * math.ceil(n / 8)
+def trellis_storage_bits(n: int, k: int, bits: int, code: int = F.CODE_LCG_BYTESUM) -> int:
+    """Bits stored for an [n, k] trellis layer: trellis + tscale + tmeta + tcode + su + sv (docs/format.md §7.6)."""
+    tables = 8 * 2 * F.TWO_TABLE_SIZE if code == F.CODE_TWO_TABLE else 0
+    return bits * n * k + 16 * n + 32 * 6 + tables + 8 * math.ceil(k / 8) + 8 * math.ceil(n / 8)
 
 
 TRELLIS_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -150,4 +172,8 @@ def trellis_candidates(n: int, k: int, bits=TRELLIS_BITS, state_bits: int = 12) 
     """The trellis settings measured for an [n, k] matrix (none unless n and k are multiples of 16)."""
     if n % TILE or k % TILE:
         return []
-    return [TrellisSetting(b, max(state_bits, b + 1, 8)) for b in bits]
+    out = []
+    for b in bits:
+        L = max(state_bits, b + 1, 8)
+        out.append(TrellisSetting(b, L, default_code(b, L, n * k)))
+    return out

@@ -146,7 +146,7 @@ def _measure_trellis(name, w, h, tokens, fisher, options, seed, fixed=None) -> l
     out = []
     for s, r in zip(settings, results):
         kl = 0.5 * float((r.row_err.to(wf.device) * wf).sum() * frows) / max(tokens, 1)
-        out.append({"setting": s.name, "bits": trellis_storage_bits(n, k, s.bits), "kl": kl,
+        out.append({"setting": s.name, "bits": trellis_storage_bits(n, k, s.bits, s.code), "kl": kl,
                     "rel": float(r.row_err.sum() / base.sum().clamp_min(1e-30)), "transform": t.name})
     return out
 
@@ -178,7 +178,7 @@ def _quantize(name, w, h, setting, transform, options, seed, bias, fisher, token
         r = TR.ldlq(p.w, u, [setting.meta()])[0]
         t = trellis_tensors(p, r, setting, bias)
         wq = unrotate(p, r.q.to(w.device))
-        bits = trellis_storage_bits(n, k, setting.bits)
+        bits = trellis_storage_bits(n, k, setting.bits, setting.code)
     else:
         p = prepare(w, h, transform, seed, name)
         u, _ = factor(p.h, options)
@@ -201,6 +201,8 @@ def trellis_tensors(p, r: TR.Result, setting: TrellisSetting, bias: torch.Tensor
     """trellis/tscale/tmeta/su/sv (+ bias) of a trellis-coded layer (docs/format.md §7.1), on the CPU."""
     t = {"trellis": r.words.cpu().contiguous(), "tscale": r.scales.cpu().to(torch.float16).contiguous(),
          "tmeta": setting.meta().to_tensor(), "su": F.pack_signs(p.su.cpu()), "sv": F.pack_signs(p.sv.cpu())}
+    if setting.code == F.CODE_TWO_TABLE:
+        t["tcode"] = TR.tables(setting.meta())
     if bias is not None:
         t["bias"] = bias.detach().cpu().to(torch.float16)
     return t

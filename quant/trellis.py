@@ -19,14 +19,25 @@ import torch
 from exl import format as F
 from exl.format import TILE, TILE_WEIGHTS, TrellisMeta
 
-CODE_SIGMA = 147.8  # standard deviation of the code's values over all states (≈ √(4·(256²−1)/12))
+CODE_SIGMA = 147.8  # standard deviation of code 1's values over all states (≈ √(4·(256²−1)/12))
 WINDOW = 0  # steps each side of the wrap point in the first (overlap-finding) pass; 0: 8·L/K
+
+
+def tables(meta: TrellisMeta) -> torch.Tensor | None:
+    """The `tcode` tables the quantizer writes for this code (None for a computed code)."""
+    return F.two_table_default() if meta.code == F.CODE_TWO_TABLE else None
 
 
 @functools.lru_cache(maxsize=64)
 def codebook(meta: TrellisMeta) -> torch.Tensor:
     """float32 [2^L]: the code value of every state (what the decoder computes)."""
-    return F.trellis_codebook(meta).to(torch.float32).contiguous()
+    return F.trellis_codebook(meta, tables(meta)).to(torch.float32).contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def code_sigma(meta: TrellisMeta) -> float:
+    """Standard deviation of the code's values over all states (147.8 for code 1, ≈ 67.5 for code 2)."""
+    return float(codebook(meta).double().std())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,22 +119,20 @@ class Result:
 SCALE_FACTOR = {1: 0.9, 2: 1.0, 3: 1.1, 4: 1.15, 5: 1.2, 6: 1.3, 7: 1.3, 8: 1.3}
 
 
-def row_scales(w: torch.Tensor, bits: int) -> torch.Tensor:
+def row_scales(w: torch.Tensor, meta: TrellisMeta) -> torch.Tensor:
     """float16-exact per-row scales (as float32) for rows of W [N, K]."""
     rms = w.float().pow(2).mean(1).sqrt()
-    return (rms * SCALE_FACTOR[bits] / CODE_SIGMA).clamp(2.0**-24, 65504.0).half().float()
+    return (rms * SCALE_FACTOR[meta.bits] / code_sigma(meta)).clamp(2.0**-24, 65504.0).half().float()
 
 
-def _tiles(x: torch.Tensor) -> torch.Tensor:
-    """Strip [N, 16] -> tiles [N/16, 256] in the tile's column-major weight order."""
-    n = x.shape[0]
-    return x.reshape(n // TILE, TILE, TILE).transpose(1, 2).reshape(n // TILE, TILE_WEIGHTS)
+def _tiles(x: torch.Tensor, layout: int) -> torch.Tensor:
+    """Strip [N, 16] -> tiles [N/16, 256] in the tile's walk order (docs/format.md §7.2)."""
+    return F.trellis_matrix_to_tiles(x, layout).reshape(x.shape[0] // TILE, TILE_WEIGHTS)
 
 
-def _strip(t: torch.Tensor) -> torch.Tensor:
+def _strip(t: torch.Tensor, layout: int) -> torch.Tensor:
     """Inverse of _tiles."""
-    nt = t.shape[0]
-    return t.reshape(nt, TILE, TILE).transpose(1, 2).reshape(nt * TILE, TILE)
+    return F.trellis_tiles_to_matrix(t.reshape(t.shape[0], 1, TILE_WEIGHTS), layout)
 
 
 @torch.no_grad()
@@ -146,7 +155,7 @@ def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int
     dev = w.device
     works = [w.float().clone() for _ in metas]
     if scales is None:
-        scales = [row_scales(w, m.bits) for m in metas]
+        scales = [row_scales(w, m) for m in metas]
     scales = [sc.to(dev, torch.float32) for sc in scales]
     qs = [torch.empty(n, k, dtype=torch.float32, device=dev) for _ in metas]
     words = [torch.empty(n // TILE, k // TILE, m.words_per_tile, dtype=torch.int32) if want_words else None
@@ -161,13 +170,14 @@ def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int
         xs, cs = [], []
         for i in range(len(metas)):
             s = scales[i]
-            xs.append(_tiles(works[i][:, b0:b1] / s[:, None]).cpu())
-            cs.append(_tiles((s * s)[:, None] * colw[None, :]).cpu())
+            lay = metas[i].version
+            xs.append(_tiles(works[i][:, b0:b1] / s[:, None], lay).cpu())
+            cs.append(_tiles((s * s)[:, None] * colw[None, :], lay).cpu())
         out = encode_tiles(xs, cs, metas, window)
         for i, (m, (states, _)) in enumerate(zip(metas, out)):
             if want_words:
                 words[i][:, j] = F.trellis_pack(states, m)
-            q = _strip(vals[i][states.long().to(dev)]) * scales[i][:, None]
+            q = _strip(vals[i][states.long().to(dev)], m.version) * scales[i][:, None]
             qs[i][:, b0:b1] = q
             e = (works[i][:, b0:b1] - q) @ uinv  # [N, 16]: the strip's error through the factor
             loss[i] += (e * e).sum(1)

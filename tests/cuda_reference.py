@@ -94,3 +94,40 @@ def kv_reference(x, bits, signs=None):
 def kv_unpack(packed, bits, d):
     bits_ = ((packed.to(torch.int64).unsqueeze(-1) >> torch.arange(8)) & 1).flatten(-2)
     return (bits_.unflatten(-1, (d, bits)) << torch.arange(bits)).sum(-1)
+
+
+def random_trellis(n, k, bits, state_bits, seed=0, bias=True, code=1):
+    """Random bit streams (every stream is a valid tail-biting walk); code 2 with random full-range tables."""
+    g = torch.Generator().manual_seed(seed)
+    if code == F.CODE_TWO_TABLE:
+        meta = F.TrellisMeta(bits, state_bits, code=code)
+    else:
+        meta = F.TrellisMeta(bits, state_bits, mul=0x9E3779B1, add=0x7F4A7C15)
+    words = torch.randint(-(2**31), 2**31, (n // 16, k // 16, meta.words_per_tile), generator=g, dtype=torch.int64)
+    t = {"trellis": words.to(torch.int32), "tscale": (torch.rand(n, generator=g) * 1e-3 + 1e-4).half(),
+         "tmeta": meta.to_tensor(), "su": F.pack_signs(torch.where(torch.rand(k, generator=g) < 0.5, -1, 1)),
+         "sv": F.pack_signs(torch.where(torch.rand(n, generator=g) < 0.5, -1, 1))}
+    if code == F.CODE_TWO_TABLE:
+        tcode = torch.randint(-128, 128, (256,), generator=g, dtype=torch.int8)
+        extremes = torch.tensor([-128, 127], dtype=torch.int8)
+        tcode[:2], tcode[128:130] = extremes, extremes.flip(0)  # both tables' extremes, either sign
+        t["tcode"] = tcode
+    if bias:
+        t["bias"] = torch.randn(n, generator=g) * 0.1
+    return t
+
+
+def random_two_table(n, k, bits, seed=0, bias=True):
+    """A random code 2 layer (L = 12, tile layout 2)."""
+    return random_trellis(n, k, bits, F.TWO_TABLE_STATE_BITS, seed, bias, code=F.CODE_TWO_TABLE)
+
+
+def trellis_reference(x, t):
+    """exl.format's forward of a trellis layer in float64 (x, bias and output), on the CPU."""
+    return F.reference_forward(x.double().cpu(), {k: (v.double() if k == "bias" else v).cpu() for k, v in t.items()})
+
+
+def assert_rel_close(got, want, tol, what):
+    """max |got - want| <= tol * max |want|."""
+    err = float((got.double().cpu() - want).abs().max())
+    assert err <= tol * float(want.abs().max()), f"{what}: max err {err:.3e} vs scale {float(want.abs().max()):.3e}"

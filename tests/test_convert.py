@@ -80,7 +80,7 @@ def converted(tiny, tmp_path_factory):
 
 def quant_layer_bits(folder: Path) -> tuple[int, int, int]:
     """(stored bits of quantized decoder layers, their N*K, head bits), read from the files' headers."""
-    sizes = {"U8": 1, "I16": 2, "I32": 4, "F16": 2, "F32": 4}
+    sizes = {"U8": 1, "I8": 1, "I16": 2, "I32": 4, "F16": 2, "F32": 4}
     bits = weights = head = 0
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
@@ -177,7 +177,7 @@ def test_trellis_conversion_loads_accounts_bits_and_beats_scalar(tiny, trellis_c
 
     loader = TensorLoader(out)
     prefix = "model.layers.1.mlp.down_proj"
-    t = {s: loader.get(f"{prefix}.{s}") for s in F.TRELLIS_SUFFIXES}
+    t = {s: loader.get(f"{prefix}.{s}") for s in F.TRELLIS_SUFFIXES if f"{prefix}.{s}" in loader}
     assert F.is_trellis(t) and F.bits_per_weight(t) == pytest.approx(
         next(s["bpw"] for s in report["layers"] if s["name"] == prefix))
     model = exl.load_model(out, progress=False)
@@ -195,6 +195,30 @@ def test_trellis_conversion_loads_accounts_bits_and_beats_scalar(tiny, trellis_c
     kl_s = _kl_on_fresh_text(tiny, exl.load_model(tmp_path / "s3", progress=False), ref)
     assert 0 < kl_t < kl_s
     assert report["predicted_kl"] < scalar["predicted_kl"]
+
+
+def test_trellis_code2_conversion_writes_tables_and_runs_on_the_kernels(tiny, tmp_path, monkeypatch):
+    import quant.candidates as C
+
+    monkeypatch.setattr(C, "TWO_TABLE_MIN_WEIGHTS", 0)  # the tiny matrices would keep code 1 (tables too dear)
+    out = tmp_path / "c2"
+    options = QuantOptions(measure_rows=32, fisher_rows=2, codes="trellis", trellis_bits=(2, 3))
+    report = convert(tiny_job(tiny, out, bits=3.0, rows=16, length=64, options=options), progress=False)
+    assert all(s["setting"].endswith("/c2") for s in report["layers"])
+    from exl.loader import TensorLoader
+
+    loader = TensorLoader(out)
+    prefix = "model.layers.0.mlp.up_proj"
+    t = {s: loader.get(f"{prefix}.{s}") for s in F.TRELLIS_SUFFIXES if f"{prefix}.{s}" in loader}
+    meta = F.TrellisMeta.from_tensor(t["tmeta"])
+    assert meta.code == F.CODE_TWO_TABLE and meta.version == 2 and torch.equal(t["tcode"], F.two_table_default())
+    model = exl.load_model(out, progress=False)
+    lin = model.layers[0].mlp.up
+    x = torch.randn(3, lin.in_features)
+    want = F.reference_forward(x, t)
+    assert (lin(x) - want).abs().max() < 0.02 * want.abs().max()  # int8 activations
+    lin.exact = True
+    torch.testing.assert_close(lin(x), want, rtol=1e-4, atol=1e-4)
 
 
 def test_auto_codes_choose_the_better_kind_per_matrix(tiny, tmp_path):

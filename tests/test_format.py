@@ -142,6 +142,57 @@ def test_trellis_tile_order_is_column_major():
     assert torch.equal(F.trellis_tiles_to_matrix(tiles), q)
 
 
+def test_trellis_layout_2_is_quad_rows():
+    q = torch.arange(32 * 48).view(32, 48)
+    tiles = F.trellis_matrix_to_tiles(q, 2)
+    # walk position t: row (t div 4) mod 16, column 4 (t div 64) + t mod 4
+    for t, (r, c) in {0: (0, 0), 3: (0, 3), 5: (1, 1), 63: (15, 3), 64: (0, 4), 255: (15, 15)}.items():
+        assert int(tiles[1, 2, t]) == int(q[16 + r, 32 + c])
+    assert torch.equal(F.trellis_tiles_to_matrix(tiles, 2), q)
+
+
+def test_trellis_code_2_is_the_sum_of_two_table_lookups():
+    tc = F.two_table_default()
+    assert tc.dtype == torch.int8 and tc.shape == (256,)
+    assert torch.equal(tc, F.two_table_default())  # deterministic
+    assert sorted(tc[:128].tolist()) == sorted(tc[128:].tolist()) and int(tc.abs().max()) == 127
+    meta = F.TrellisMeta(3, 12, code=F.CODE_TWO_TABLE)
+    assert (meta.version, meta.mul, meta.add) == (2, 0, 0)
+    cb = F.trellis_codebook(meta, tc).double()
+    assert abs(cb.mean()) < 2 and 60 < cb.std() < 75
+    for s in (0, 1, 31, 32, 2047, 4095):
+        a, b = s & 127, (s >> 5) & 127
+        assert int(cb[s]) == int(tc[(a + b) % 128]) + int(tc[128 + (a - b) % 128])
+    assert F.TrellisMeta.from_tensor(meta.to_tensor()) == meta
+    with pytest.raises(ValueError, match="needs its tables"):
+        F.trellis_codebook(meta)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"bits": 3, "state_bits": 14, "code": 2}, "code 2 needs L = 12"),
+    ({"bits": 8, "state_bits": 12, "code": 2}, "code 2 needs L = 12"),
+    ({"bits": 3, "state_bits": 12, "code": 2, "version": 1}, "stored in tile layout 2"),
+    ({"bits": 3, "state_bits": 12, "code": 1, "version": 2}, "stored in tile layout 1"),
+    ({"bits": 3, "state_bits": 12, "code": 3}, "unknown trellis code id 3"),
+    ({"bits": 3, "state_bits": 12, "version": 3}, "layout version 3 is not supported"),
+])
+def test_trellis_meta_refuses_what_the_format_does_not_define(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        F.TrellisMeta(**kw)
+
+
+def test_trellis_code_2_layer_decodes_and_counts_its_tables():
+    meta = F.TrellisMeta(2, 12, code=F.CODE_TWO_TABLE)
+    _, t = _random_trellis(bits=2)
+    t["tmeta"], t["tcode"] = meta.to_tensor(), F.two_table_default()
+    values = F.trellis_code(F.trellis_states(t["trellis"], meta), meta, t["tcode"])
+    q = F.trellis_decode(t, torch.float64)
+    # weight t = 70 of tile (1, 2): row 16 + (70 // 4) % 16 = 17, column 32 + 4 + 2 = 38
+    assert float(q[17, 38]) == float(values[1, 2, 70]) * float(t["tscale"][17])
+    n, k = 32, 48
+    assert F.storage_bits(t) == 8 * (2 * n * k // 8 + 2 * n + 24 + 256 + k // 8 + n // 8)
+
+
 def test_trellis_dequantize_forward_and_bits():
     meta, t = _random_trellis(n=32, k=48, bits=3)
     w = F.dequantize(t, torch.float64)

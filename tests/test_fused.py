@@ -152,6 +152,24 @@ def test_decode_attention_of_several_rows_is_causal(ext, pos, t, window, softcap
         close(out, want, 1e-5)
 
 
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (8, 2, 128), (4, 1, 64), (6, 2, 40)])
+def test_a_rows_attention_does_not_depend_on_its_tile(ext, hq, hk, d):
+    """Bit for bit: each row of a T-row call (wide tiles: rows x heads share the lanes) equals the same row
+    decoded alone (a narrow tile: the AVX-512 table turns 16 keys at a time around), so speculative drafts
+    verify to exactly what plain decoding computes."""
+    b, t, pos = 2, 5, 37
+    kc, vc = torch.randn(1, b, hk, 64, d, generator=g(0)), torch.randn(1, b, hk, 64, d, generator=g(1))
+    q = torch.randn(b, t, hq, d, generator=g(2)) * 2
+    k, v = torch.randn(b, t, hk, d, generator=g(3)), torch.randn(b, t, hk, d, generator=g(4))
+    for isa in isas(ext):
+        kc2, vc2 = kc.clone(), vc.clone()
+        out = ext.decode_attention(q, k, v, kc2, vc2, 0, pos, d**-0.5, 0, 0.0, isa)
+        for i in range(t):
+            one = ext.decode_attention(q[:, i : i + 1].contiguous(), k[:, i : i + 1].contiguous(),
+                                       v[:, i : i + 1].contiguous(), kc2, vc2, 0, pos + i, d**-0.5, 0, 0.0, isa)
+            assert torch.equal(one[:, 0], out[:, i]), (isa, i)
+
+
 @pytest.mark.parametrize("act", sorted(set(fused.ACT_KINDS)))
 def test_act_mul(ext, act):
     gate = torch.cat([torch.linspace(-30, 30, 1001), torch.randn(2 * 3 * 333 - 1001, generator=g(0)) * 4])

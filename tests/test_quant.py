@@ -305,3 +305,11 @@ def test_float32_hessians_for_very_wide_layers(monkeypatch):
     rec = measure("wide", w, h32, x.shape[0], torch.ones(96), QuantOptions(measure_rows=32), seed=0)
     q = quantize("wide", w, h32, Setting(4, 64), Transform.parse(rec["transform"]), QuantOptions(), seed=0)
     assert q.rel < 0.01 and all(math.isfinite(c["kl"]) for c in rec["candidates"])
+
+
+def test_default_trellis_code_is_two_tables_up_to_4_bits_on_matrices_where_tables_are_cheap():
+    big = {s.bits: s.code for s in trellis_candidates(576, 1536)}
+    assert big == {1: 2, 2: 2, 3: 2, 4: 2, 5: 1, 6: 1, 7: 1, 8: 1}
+    assert {s.code for s in trellis_candidates(192, 576)} == {1, 2}  # SmolLM2's smallest (k_proj): 0.019 bpw of tables
+    assert {s.code for s in trellis_candidates(64, 64)} == {1}  # 256 bytes would be 0.5 bpw here
+    assert all(s.state_bits == 12 for s in trellis_candidates(576, 1536) if s.code == 2)

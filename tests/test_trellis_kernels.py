@@ -1,7 +1,8 @@
 """CPU trellis kernels (cuda_ext TrellisLinearCPU) and TrellisLinear against exl.format's reference (§7).
 
 Random int32 words are always a valid trellis layer (every bit stream is a walk), so layers here are
-random words, random fp16 scales and random signs. The decoded code values are exact integers and
+random words, random fp16 scales and random signs; code 2 layers (two tables, tile layout 2) also get
+random int8 tables holding both extremes -128 and 127. The decoded code values are exact integers and
 must match bit for bit; outputs may differ from the fp64 result only by float summation error,
 bounded as in test_kernels.py: |y - y_exact| <= 4 u (sqrt(K) + 8) c, c = |u| @ |Q|^T through |H_N|.
 """
@@ -29,26 +30,42 @@ def isas():
     return build.load_cpu().isa_names()
 
 
-def random_trellis(n, k, bits, state_bits=16, *, bias=True, seed=0, mul=None, add=None):
+CODES = (F.CODE_LCG_BYTESUM, F.CODE_TWO_TABLE)
+
+
+def random_tables(g):
+    t = torch.randint(-128, 128, (2 * F.TWO_TABLE_SIZE,), generator=g, dtype=torch.int64)
+    t[torch.randperm(t.numel(), generator=g)[:4]] = torch.tensor([-128, 127, -128, 127])
+    return t.to(torch.int8)
+
+
+def random_trellis(n, k, bits, state_bits=16, *, bias=True, seed=0, mul=None, add=None, code=F.CODE_LCG_BYTESUM):
+    """A random layer; code 2 forces L = 12 (its only state size)."""
     g = torch.Generator().manual_seed(seed)
     kw = {} if mul is None else {"mul": mul, "add": add}
-    meta = F.TrellisMeta(bits, state_bits, **kw)
+    if code == F.CODE_TWO_TABLE:
+        state_bits, kw = F.TWO_TABLE_STATE_BITS, {}
+    meta = F.TrellisMeta(bits, state_bits, code=code, **kw)
     words = torch.randint(-(2**31), 2**31, (n // 16, k // 16, meta.words_per_tile), generator=g, dtype=torch.int64)
     t = {"trellis": words.to(torch.int32), "tscale": (torch.rand(n, generator=g) * 1e-3 + 1e-4).half(),
          "tmeta": meta.to_tensor(), "su": F.pack_signs(torch.where(torch.rand(k, generator=g) < 0.5, -1, 1)),
          "sv": F.pack_signs(torch.where(torch.rand(n, generator=g) < 0.5, -1, 1))}
+    if code == F.CODE_TWO_TABLE:
+        t["tcode"] = random_tables(g)
     if bias:
         t["bias"] = torch.randn(n, generator=g)
     return t
 
 
 def kernel(ext, t, isa="auto"):
-    return ext.TrellisLinearCPU(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], t.get("bias"), isa)
+    return ext.TrellisLinearCPU(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], t.get("bias"), isa,
+                                tcode=t.get("tcode"))
 
 
 def reference_values(t):
     meta = F.TrellisMeta.from_tensor(t["tmeta"])
-    return F.trellis_tiles_to_matrix(F.trellis_code(F.trellis_states(t["trellis"], meta), meta))
+    values = F.trellis_code(F.trellis_states(t["trellis"], meta), meta, t.get("tcode"))
+    return F.trellis_tiles_to_matrix(values, meta.version)
 
 
 def exact_and_scale(x, t):
@@ -80,9 +97,19 @@ def test_decode_is_exact_for_every_k_l_and_isa(ext, bits):
             assert torch.equal(got, ref.float()), f"K={bits} L={L} isa={isa}"
 
 
-@pytest.mark.parametrize("bits", range(1, 9))
-def test_forward_matches_reference_for_rows_and_prefill(ext, bits):
-    t = random_trellis(64, 96, bits, 16 if bits % 2 else max(8, bits), seed=bits)
+@pytest.mark.parametrize("bits", range(1, 8))
+def test_code2_decode_is_exact_for_every_k_and_isa(ext, bits):
+    for n, k in ((48, 64), (16, 16), (80, 48)):  # N, K multiples of 16, not all of 64
+        t = random_trellis(n, k, bits, code=F.CODE_TWO_TABLE, seed=bits * 7 + n)
+        ref = reference_values(t)
+        for isa in isas():
+            got = kernel(ext, t, isa).decode()
+            assert torch.equal(got, ref.float()), f"code 2 K={bits} {n}x{k} isa={isa}"
+
+
+@pytest.mark.parametrize("code,bits", [(1, b) for b in range(1, 9)] + [(2, b) for b in range(1, 8)])
+def test_forward_matches_reference_for_rows_and_prefill(ext, code, bits):
+    t = random_trellis(64, 96, bits, 16 if bits % 2 else max(8, bits), seed=bits, code=code)
     g = torch.Generator().manual_seed(100 + bits)
     for isa in isas():
         k = kernel(ext, t, isa)
@@ -95,9 +122,10 @@ def test_forward_matches_reference_for_rows_and_prefill(ext, bits):
         check(k.forward(x[:20], "fp32", 32, False), x[:20], t)  # more than 16 rows through the GEMV
 
 
+@pytest.mark.parametrize("code", CODES)
 @pytest.mark.parametrize("exact", [True, False])
-def test_batch_invariance_every_row_count_below_gemm_min_rows(ext, exact):
-    t = random_trellis(96, 160, 3, 16, seed=7)
+def test_batch_invariance_every_row_count_below_gemm_min_rows(ext, exact, code):
+    t = random_trellis(96, 160, 3, 16, seed=7, code=code)
     x = torch.randn(31, 160, generator=torch.Generator().manual_seed(3))
     for isa in isas():
         k = kernel(ext, t, isa)
@@ -109,8 +137,9 @@ def test_batch_invariance_every_row_count_below_gemm_min_rows(ext, exact):
         assert torch.equal(k.forward(x[5:6], "auto", 32, exact), full[5:6])
 
 
-def test_isas_agree_and_threads_do_not_change_bits(ext):
-    t = random_trellis(128, 256, 4, 14, seed=11)
+@pytest.mark.parametrize("code", CODES)
+def test_isas_agree_and_threads_do_not_change_bits(ext, code):
+    t = random_trellis(128, 256, 4, 14, seed=11, code=code)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
     outs = {isa: kernel(ext, t, isa).forward(x, "fp32", 32, False) for isa in isas()}
     best = outs[isas()[-1]]
@@ -158,10 +187,13 @@ def int8_check(y, x, t):
     assert rel < 0.02, f"relative RMS error {rel:.4f} of the int8 path"
 
 
-@pytest.mark.parametrize("bits", [1, 3, 4, 8])
-def test_int8_gemv_is_within_its_bound_and_the_same_bits_on_every_table(ext, bits):
-    t = random_trellis(64, 128, bits, 16 if bits == 3 else 12, seed=40 + bits, bias=False)
-    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(bits))
+@pytest.mark.parametrize("code,bits,n,k", [(1, 1, 64, 128), (1, 3, 64, 128), (1, 4, 64, 128), (1, 8, 64, 128),
+                                           (2, 1, 64, 128), (2, 2, 80, 96), (2, 3, 48, 160), (2, 4, 64, 128),
+                                           (2, 5, 112, 32), (2, 7, 64, 128)])
+def test_int8_gemv_is_within_its_bound_and_the_same_bits_on_every_table(ext, code, bits, n, k):
+    # code 2 shapes: K a multiple of 32 but not of 64, tile-row counts that leave tails of the 4/2-row kernels
+    t = random_trellis(n, k, bits, 16 if bits == 3 else 12, seed=40 + bits, bias=False, code=code)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(bits))
     with_int8 = [isa for isa in isas() if kernel(ext, t, isa).has_int8]
     assert "scalar" in with_int8
     outs = {}
@@ -169,17 +201,20 @@ def test_int8_gemv_is_within_its_bound_and_the_same_bits_on_every_table(ext, bit
         k = kernel(ext, t, isa)
         full = k.forward(x, "int8", 48, False)
         int8_check(full, x, t)
-        for rows in (1, 2, 3, 7, 9):
+        for rows in range(1, 16):
             assert torch.equal(k.forward(x[:rows], "int8", 48, False), full[:rows]), f"{isa}: {rows} rows"
         outs[isa] = full
     for isa, y in outs.items():
         assert torch.equal(y, outs["scalar"]), f"int8 GEMV of {isa} differs from the scalar table's"
+    if code == F.CODE_TWO_TABLE:  # the fast table has the int8 GEMV for code 2 (AVX-512 VBMI)
+        assert "avx512vnni" not in isas() or "avx512vnni" in with_int8
     assert torch.equal(kernel(ext, t).forward(x[:3], "auto", 48, False),
                        kernel(ext, t).forward(x[:3], "int8" if kernel(ext, t).has_int8 else "fp32", 48, False))
 
 
-def test_module_forward_equals_reference(ext):
-    t = random_trellis(80, 112, 3, 12, seed=5)
+@pytest.mark.parametrize("code", CODES)
+def test_module_forward_equals_reference(ext, code):
+    t = random_trellis(80, 112, 3, 12, seed=5, code=code)
     m = TrellisLinear(t, exact=True)
     assert m.kernel() is not None and m.in_features == 112 and m.out_features == 80
     assert abs(m.bits_per_weight - F.bits_per_weight(t)) < 1e-12
@@ -211,3 +246,25 @@ def test_module_rejects_bad_words():
     t["trellis"] = t["trellis"][..., :4]
     with pytest.raises(ValueError, match=r"trellis must be int32 \[2, 3, 16\]"):
         TrellisLinear(t)
+
+
+def test_tables_are_required_for_code2_and_refused_for_code1(ext):
+    t2 = random_trellis(32, 48, 3, code=F.CODE_TWO_TABLE)
+    with pytest.raises(ValueError, match="code 2 layer needs its tables"):
+        TrellisLinear({k: v for k, v in t2.items() if k != "tcode"})
+    with pytest.raises(ValueError, match=r"tcode must be int8 \[256\]"):
+        TrellisLinear({**t2, "tcode": t2["tcode"].to(torch.int16)})
+    t1 = random_trellis(32, 48, 3)
+    with pytest.raises(ValueError, match="tcode is only for code 2 layers; this layer is code 1"):
+        TrellisLinear({**t1, "tcode": t2["tcode"]})
+    a = (t2["trellis"], t2["tscale"], t2["tmeta"], t2["su"], t2["sv"])
+    with pytest.raises(RuntimeError, match="needs its tables: pass tcode"):
+        ext.TrellisLinearCPU(*a)
+    with pytest.raises(RuntimeError, match=r"tcode must be int8 \[256\]"):
+        ext.TrellisLinearCPU(*a, tcode=t2["tcode"][:128])
+    with pytest.raises(RuntimeError, match="tcode was given for a code 1 layer"):
+        ext.TrellisLinearCPU(t1["trellis"], t1["tscale"], t1["tmeta"], t1["su"], t1["sv"], tcode=t2["tcode"])
+    bad = t2["tmeta"].clone()
+    bad[0] = 1  # code 2 in layout 1
+    with pytest.raises(RuntimeError, match="layout version 1 with code 2"):
+        ext.TrellisLinearCPU(a[0], a[1], bad, a[3], a[4], tcode=t2["tcode"])

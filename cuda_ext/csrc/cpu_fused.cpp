@@ -267,6 +267,89 @@ struct Lanes<16> {
   typedef float U __attribute__((vector_size(64), aligned(4)));
 };
 
+// Decode tiles hold few query lanes (one row times a GQA group, e.g. 3 of 16): broadcasting each key element
+// over a mostly empty register wastes most of every multiply-add. So with up to kKeyMajorLanes lanes the
+// AVX-512 table turns 16 keys at a time around instead: load them, transpose each 16x16 block of (key,
+// dimension) in registers, and run each query lane over all 16 keys at once. Every score is still the
+// chain s = ((0 + q0 k0) + q1 k1) + ... in order of the dimension, one fused multiply-add per term, as in
+// the lane-major loop below (a*b = b*a): the scores are bit for bit the same whichever loop computes them,
+// so a row's attention does not depend on how many rows share its tile (speculative drafts, prompt chunks).
+constexpr int64_t kKeyMajorLanes = 8;
+
+typedef float V16 __attribute__((vector_size(64)));
+typedef float U16 __attribute__((vector_size(64), aligned(4)));
+typedef int I16 __attribute__((vector_size(64)));
+
+// rows r[0..15] of a 16x16 block -> its transpose, in four rounds of two-source shuffles (block swaps of 8, 4, 2, 1).
+EXL_INLINE void transpose16(V16* r) {
+#define EXL_T16_ROUND(B)                                                                                  \
+  {                                                                                                       \
+    constexpr I16 lo = {MASK_LO(B, 0), MASK_LO(B, 1), MASK_LO(B, 2), MASK_LO(B, 3), MASK_LO(B, 4),        \
+                        MASK_LO(B, 5), MASK_LO(B, 6), MASK_LO(B, 7), MASK_LO(B, 8), MASK_LO(B, 9),        \
+                        MASK_LO(B, 10), MASK_LO(B, 11), MASK_LO(B, 12), MASK_LO(B, 13), MASK_LO(B, 14),   \
+                        MASK_LO(B, 15)};                                                                  \
+    constexpr I16 hi = {MASK_HI(B, 0), MASK_HI(B, 1), MASK_HI(B, 2), MASK_HI(B, 3), MASK_HI(B, 4),        \
+                        MASK_HI(B, 5), MASK_HI(B, 6), MASK_HI(B, 7), MASK_HI(B, 8), MASK_HI(B, 9),        \
+                        MASK_HI(B, 10), MASK_HI(B, 11), MASK_HI(B, 12), MASK_HI(B, 13), MASK_HI(B, 14),   \
+                        MASK_HI(B, 15)};                                                                  \
+    for (int i = 0; i < 16; ++i)                                                                          \
+      if (!(i & B)) {                                                                                     \
+        const V16 a = r[i], b = r[i + B];                                                                 \
+        r[i] = __builtin_shuffle(a, b, lo);                                                               \
+        r[i + B] = __builtin_shuffle(a, b, hi);                                                           \
+      }                                                                                                   \
+  }
+// row i (i & B == 0) keeps its columns c with c & B == 0 and takes row i+B's columns c - B; row i+B the rest
+#define MASK_LO(B, c) (((c) & (B)) ? 16 + (c) - (B) : (c))
+#define MASK_HI(B, c) (((c) & (B)) ? 16 + (c) : (c) + (B))
+  EXL_T16_ROUND(8)
+  EXL_T16_ROUND(4)
+  EXL_T16_ROUND(2)
+  EXL_T16_ROUND(1)
+#undef MASK_LO
+#undef MASK_HI
+#undef EXL_T16_ROUND
+}
+
+// Scores of the first 16*floor(n/16) keys for `lanes` query lanes (qf: the transposed queries, lane l of
+// element i at qf[i*16 + l]) into s[l*n + j], times scale. Returns the number of keys done.
+template <int D>
+EXL_INLINE int64_t scores_key_major(const float* qf, int64_t lanes, const float* keys, const int64_t* offs, int64_t n,
+                                   float scale, float* s) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    V16 acc[kKeyMajorLanes] = {};
+    for (int64_t c = 0; c < D; c += 16) {
+      V16 kt[16];
+      for (int r = 0; r < 16; ++r) kt[r] = *reinterpret_cast<const U16*>(keys + offs[j + r] + c);
+      transpose16(kt);  // kt[i]: element c + i of the 16 keys
+      for (int64_t l = 0; l < lanes; ++l)
+        for (int i = 0; i < 16; ++i) acc[l] += qf[(c + i) * 16 + l] * kt[i];
+    }
+    for (int64_t l = 0; l < lanes; ++l) *reinterpret_cast<U16*>(s + l * n + j) = acc[l] * scale;
+  }
+  return j;
+}
+
+// out row a (at o + a * os_) = Σ_j (s[a * n + j] · inv[a]) v_j for g = G lanes at once, j in order: each value
+// row is loaded once for all G lanes and their G·C multiply-add chains overlap.
+template <int64_t G, int64_t C, int W>
+EXL_INLINE void weigh_values(const float* s, int64_t n, const float* inv, const float* values, const int64_t* offs,
+                             int64_t m, float* o, int64_t os_) {
+  using V = typename Lanes<W>::V;
+  using U = typename Lanes<W>::U;
+  V acc[G][C] = {};
+  for (int64_t j = 0; j < m; ++j) {
+    const U* vj = reinterpret_cast<const U*>(values + offs[j]);
+    for (int64_t a = 0; a < G; ++a) {
+      const float p = s[a * n + j] * inv[a];
+      for (int64_t c = 0; c < C; ++c) acc[a][c] += p * vj[c];
+    }
+  }
+  for (int64_t a = 0; a < G; ++a)
+    for (int64_t c = 0; c < C; ++c) *reinterpret_cast<U*>(o + a * os_ + c * W) = acc[a][c];
+}
+
 template <int D, int W>
 EXL_INLINE void attend_tile(const float* q, int64_t rs, int64_t nrows, int64_t nheads, const float* keys,
                             const float* values, const int64_t* offs, const int64_t* counts, int64_t d_,
@@ -283,6 +366,9 @@ EXL_INLINE void attend_tile(const float* q, int64_t rs, int64_t nrows, int64_t n
     for (int64_t l = 0; l < W; ++l) qf[i * W + l] = l < lanes ? q[(l / nheads) * rs + (l % nheads) * d + i] : 0.f;
   const U* qt = reinterpret_cast<const U*>(qf);
   int64_t j = 0;
+  if constexpr (W == 16 && D > 0 && D % 16 == 0) {
+    if (lanes <= kKeyMajorLanes) j = scores_key_major<D>(qf, lanes, keys, offs, n, scale, s);
+  }
   for (; j + 4 <= n; j += 4) {  // four keys at a time: four independent chains per lane
     const float *k0 = keys + offs[j], *k1 = keys + offs[j + 1], *k2 = keys + offs[j + 2], *k3 = keys + offs[j + 3];
     V a0 = {}, a1 = {}, a2 = {}, a3 = {};
@@ -303,7 +389,8 @@ EXL_INLINE void attend_tile(const float* q, int64_t rs, int64_t nrows, int64_t n
     for (int64_t i = 0; i < d; ++i) a += qt[i] * kj[i];
     for (int64_t l = 0; l < lanes; ++l) s[l * n + j] = a[l] * scale;
   }
-  for (int64_t l = 0; l < lanes; ++l) {
+  float inv[W];
+  for (int64_t l = 0; l < lanes; ++l) {  // softmax of each lane's scores (unnormalized; inv[l] = 1 / their sum)
     const int64_t m = counts[l / nheads];  // this lane's keys
     float* sh = s + l * n;
     if (softcap > 0.f)
@@ -317,21 +404,34 @@ EXL_INLINE void attend_tile(const float* q, int64_t rs, int64_t nrows, int64_t n
       sh[j] = exp_f32(sh[j] - mx);
       sum += sh[j];
     }
-    const float inv = 1.f / sum;
-    float* oh = out + (l / nheads) * os + (l % nheads) * d;
-    if constexpr (D > 0 && D % W == 0) {  // the output row lives in registers across the loop over values
-      V acc[D / W] = {};
-      for (int64_t j = 0; j < m; ++j) {
-        const float p = sh[j] * inv;
-        const U* vj = reinterpret_cast<const U*>(values + offs[j]);
-        for (int64_t c = 0; c < D / W; ++c) acc[c] += p * vj[c];
+    inv[l] = 1.f / sum;
+  }
+  // out = Σ_j p_j v_j per lane, in order of j. With D known the output rows live in registers across the loop
+  // over values; a decode tile (one row: every lane has the same keys) runs G lanes per pass over the values,
+  // so that each value row is loaded once for them and their G * D/W chains overlap. The same per-lane sums.
+  if constexpr (D > 0 && D % W == 0) {
+    constexpr int64_t C = D / W, R = W == 16 ? 16 : 8, G = C >= R ? 1 : std::min<int64_t>(4, R / C);  // R: accumulators
+    for (int64_t l0 = 0; l0 < lanes;) {
+      const int64_t g = nrows == 1 ? std::min<int64_t>(G, lanes - l0) : 1;
+      const int64_t m = counts[l0 / nheads];
+      float* o = out + (l0 / nheads) * os + (l0 % nheads) * d;  // the g lanes' rows follow each other (one row)
+      switch (g) {
+        case 4: weigh_values<4, C, W>(s + l0 * n, n, inv + l0, values, offs, m, o, d); break;
+        case 3: weigh_values<3, C, W>(s + l0 * n, n, inv + l0, values, offs, m, o, d); break;
+        case 2: weigh_values<2, C, W>(s + l0 * n, n, inv + l0, values, offs, m, o, d); break;
+        default: weigh_values<1, C, W>(s + l0 * n, n, inv + l0, values, offs, m, o, d); break;
       }
-      for (int64_t c = 0; c < D / W; ++c) *reinterpret_cast<U*>(oh + c * W) = acc[c];
-    } else {
+      l0 += g;
+    }
+  } else {
+    for (int64_t l = 0; l < lanes; ++l) {
+      const int64_t m = counts[l / nheads];
+      const float* sh = s + l * n;
+      float* oh = out + (l / nheads) * os + (l % nheads) * d;
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) oh[i] = 0.f;
       for (int64_t j = 0; j < m; ++j) {
-        const float p = sh[j] * inv;
+        const float p = sh[j] * inv[l];
         const float* vj = values + offs[j];
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) oh[i] += p * vj[i];

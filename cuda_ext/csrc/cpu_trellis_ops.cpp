@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "cpu_linear.h"
 #include "cpu_trellis.h"
@@ -34,7 +35,7 @@ const char* kWho = "exl TrellisLinear";
 class TrellisLinearCPU : public LinearCPU {
  public:
   TrellisLinearCPU(at::Tensor trellis, at::Tensor tscale, at::Tensor tmeta, at::Tensor su, at::Tensor sv,
-                   c10::optional<at::Tensor> bias, const std::string& isa) {
+                   c10::optional<at::Tensor> bias, const std::string& isa, c10::optional<at::Tensor> tcode) {
     TORCH_CHECK(trellis.scalar_type() == at::kInt && trellis.dim() == 3, kWho,
                 ": trellis must be an int32 tensor [N/16, K/16, 8*bits], got ", trellis.scalar_type(), " ",
                 trellis.sizes());
@@ -43,8 +44,11 @@ class TrellisLinearCPU : public LinearCPU {
                 tmeta.sizes());
     const auto meta = tmeta.to(at::kCPU).contiguous();
     const int32_t* mp = meta.data_ptr<int32_t>();
-    TORCH_CHECK(mp[0] == 1, kWho, ": tmeta layout version ", mp[0], " is not supported (this exl reads 1); update exl");
-    TORCH_CHECK(mp[3] == 1, kWho, ": tmeta code id ", mp[3], " is unknown (this exl knows code 1)");
+    TORCH_CHECK(mp[3] == kCodeLcgByteSum || mp[3] == kCodeTwoTable, kWho, ": tmeta code id ", mp[3],
+                " is unknown (this exl knows codes 1 and 2); update exl");
+    TORCH_CHECK(mp[0] == mp[3], kWho, ": tmeta tile layout version ", mp[0], " with code ", mp[3],
+                " is not supported (this exl reads layout 1 with code 1 and layout 2 with code 2)");
+    code_.code = mp[3];
     code_.bits = mp[1];
     code_.state_bits = mp[2];
     code_.mul = uint32_t(mp[4]);
@@ -52,7 +56,25 @@ class TrellisLinearCPU : public LinearCPU {
     TORCH_CHECK(code_.bits >= 1 && code_.bits <= 8, kWho, ": tmeta bits ", code_.bits, " must be in 1..8");
     TORCH_CHECK(code_.state_bits >= std::max(8, code_.bits) && code_.state_bits <= 16, kWho, ": tmeta state bits ",
                 code_.state_bits, " must be in ", std::max(8, code_.bits), "..16");
-    TORCH_CHECK(code_.mul & 1u, kWho, ": tmeta multiplier A must be odd");
+    if (code_.code == kCodeLcgByteSum) {
+      TORCH_CHECK(code_.mul & 1u, kWho, ": tmeta multiplier A must be odd");
+      TORCH_CHECK(!tcode || !tcode->defined(), kWho,
+                  ": tcode was given for a code 1 layer (only code 2 has tables); drop the layer's tcode tensor");
+    } else {
+      TORCH_CHECK(code_.state_bits == 12 && code_.bits <= 7, kWho, ": code 2 needs L = 12 and bits <= 7, tmeta has L = ",
+                  code_.state_bits, ", bits = ", code_.bits);
+      TORCH_CHECK(tcode && tcode->defined(), kWho, ": a code 2 layer needs its tables: pass tcode (int8 [256])");
+      TORCH_CHECK(tcode->scalar_type() == at::kChar && tcode->dim() == 1 && tcode->size(0) == 2 * kTwoTableSize, kWho,
+                  ": tcode must be int8 [256] (T_a then T_b), got ", tcode->scalar_type(), " ", tcode->sizes());
+      TORCH_CHECK(tcode->device().is_cpu(), kWho, " (CPU kernels): tcode must be on the CPU, got ", tcode->device());
+      tcode_ = tcode->contiguous();
+      code_.tables = tcode_.data_ptr<int8_t>();
+      // every state's value, for the tables that gather (AVX2); +2 entries pad a 32-bit read of the last
+      const int n = 1 << code_.state_bits;
+      codebook_ = at::zeros({n + 2}, at::kShort);
+      int16_t* cb = codebook_.data_ptr<int16_t>();
+      for (int s = 0; s < n; ++s) cb[s] = int16_t(trellis_value(uint32_t(s), code_));
+    }
     TORCH_CHECK(trellis.size(2) == tile_words(code_.bits), kWho, ": trellis has ", trellis.size(2),
                 " words per tile, ", code_.bits, "-bit tiles need ", tile_words(code_.bits));
     N_ = trellis.size(0) * kTile;
@@ -114,37 +136,48 @@ class TrellisLinearCPU : public LinearCPU {
     const int64_t M = x.numel() / K_;
     auto y = at::empty({M, N_}, at::kFloat);
     if (M == 0) return y.reshape(out_shape);
+    const bool gemm = path == "gemm" || (path == "auto" && M >= gemm_min_rows);
+    const bool int8 = path == "int8" || (path == "auto" && !gemm && !exact && has_int8());
+    // Scratch: per thread for small batches (decode calls this per layer per token), else for this call.
+    const int64_t nb = K_ / 32;
+    const bool with_qq = int8 && code_.code == kCodeLcgByteSum;  // code 1 reads each int8 activation repeated 4x
+    const size_t need = 5 * 64 + size_t(M) * K_ * (4 + (int8 ? 1 : 0) + (with_qq ? 4 : 0)) + size_t(M) * nb * 8;
+    thread_local std::vector<uint8_t> small_buf;
+    std::vector<uint8_t> large_buf;
+    std::vector<uint8_t>& buf = M <= 64 ? small_buf : large_buf;
+    if (buf.size() < need) buf.resize(need);
+    size_t used = 0;
+    auto carve = [&](size_t bytes) {  // 64-byte aligned pieces of buf
+      uint8_t* base = buf.data() + used;
+      uint8_t* p = base + ((64 - reinterpret_cast<uintptr_t>(base) % 64) % 64);
+      used = size_t(p - buf.data()) + bytes;
+      return p;
+    };
     // 1. u = H (D_u x)
-    at::Tensor u = x.reshape({M, K_}).clone(at::MemoryFormat::Contiguous);
-    float* up = u.data_ptr<float>();
+    const at::Tensor x2 = x.reshape({M, K_}).contiguous();
+    float* up = reinterpret_cast<float*>(carve(size_t(M) * K_ * 4));
+    std::copy(x2.data_ptr<float>(), x2.data_ptr<float>() + M * K_, up);
     rotate_rows(kernels_, up, M, K_, su_.data_ptr<uint8_t>(), true);
     // 2. z = tscale * (values u)
     const TrellisLayer L = layer();
     float* yp = y.data_ptr<float>();
-    const bool gemm = path == "gemm" || (path == "auto" && M >= gemm_min_rows);
-    const bool int8 = path == "int8" || (path == "auto" && !gemm && !exact && has_int8());
     const int64_t tiles = N_ / kTile;
-    const int64_t grain = std::max<int64_t>(2, (int64_t(1) << 14) / std::max<int64_t>(K_, 1));
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 12) / std::max<int64_t>(K_, 1));  // tiles: ~64K weights, as the scalar layers
     if (gemm) {
-      gemm_(L, u, y);
+      gemm_(L, at::from_blob(up, {M, K_}, at::kFloat), y);
     } else if (int8) {
-      // int8 activations per 32 channels (the scalar layers' quantizer), each repeated 4x in an int32
-      const int64_t nb = K_ / 32;
-      auto q8 = at::empty({M, K_}, at::kChar);
-      auto qq = at::empty({M, K_}, at::kInt);
-      auto d = at::empty({M, nb}, at::kFloat);
-      auto bsum = at::empty({M, nb}, at::kInt);
-      int8_t* qp = q8.data_ptr<int8_t>();
-      int32_t* qqp = qq.data_ptr<int32_t>();
+      // int8 activations per 32 channels (the scalar layers' quantizer)
+      int8_t* qp = reinterpret_cast<int8_t*>(carve(size_t(M) * K_));
+      int32_t* qqp = with_qq ? reinterpret_cast<int32_t*>(carve(size_t(M) * K_ * 4)) : nullptr;
+      float* dp = reinterpret_cast<float*>(carve(size_t(M) * nb * 4));
+      int32_t* bp = reinterpret_cast<int32_t*>(carve(size_t(M) * nb * 4));
       for (int64_t m = 0; m < M; ++m) {
-        kernels_->quantize_q8(up + m * K_, K_, nullptr, 0, qp + m * K_, d.data_ptr<float>() + m * nb,
-                              bsum.data_ptr<int32_t>() + m * nb);
-        for (int64_t k = 0; k < K_; ++k) qqp[m * K_ + k] = int32_t(uint32_t(uint8_t(qp[m * K_ + k])) * 0x01010101u);
+        kernels_->quantize_q8(up + m * K_, K_, nullptr, 0, qp + m * K_, dp + m * nb, bp + m * nb);
+        if (qqp)
+          for (int64_t k = 0; k < K_; ++k) qqp[m * K_ + k] = int32_t(uint32_t(uint8_t(qp[m * K_ + k])) * 0x01010101u);
       }
-      const float* dp = d.data_ptr<float>();
-      const int32_t* bp = bsum.data_ptr<int32_t>();
       exl::cpu::parallel_for(0, tiles, grain, [&](int64_t i0, int64_t i1) {
-        trellis_kernels_->gemv_q8(L, qqp, dp, bp, M, yp, N_, i0, i1);
+        trellis_kernels_->gemv_q8(L, qp, qqp, dp, bp, M, yp, N_, i0, i1);
       });
     } else {
       exl::cpu::parallel_for(0, tiles, grain, [&](int64_t i0, int64_t i1) { trellis_kernels_->gemv(L, up, M, yp, N_, i0, i1); });
@@ -163,6 +196,7 @@ class TrellisLinearCPU : public LinearCPU {
     L.N = N_;
     L.K = K_;
     L.code = code_;
+    L.codebook = codebook_.defined() ? codebook_.data_ptr<int16_t>() : nullptr;
     return L;
   }
 
@@ -185,7 +219,7 @@ class TrellisLinearCPU : public LinearCPU {
     y.mul_(tscale_.to(at::kFloat));
   }
 
-  at::Tensor trellis_, tscale_, su_, sv_, bias_;
+  at::Tensor trellis_, tscale_, su_, sv_, bias_, tcode_, codebook_;
   int64_t N_ = 0, K_ = 0;
   TrellisCode code_{};
   const Kernels* kernels_ = nullptr;
@@ -200,9 +234,9 @@ void register_trellis(py::module_& m) {
   using exl::cpu::TrellisLinearCPU;
   py::class_<TrellisLinearCPU, exl::cpu::LinearCPU>(m, "TrellisLinearCPU")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>,
-                    const std::string&>(),
+                    const std::string&, c10::optional<at::Tensor>>(),
            py::arg("trellis"), py::arg("tscale"), py::arg("tmeta"), py::arg("su"), py::arg("sv"),
-           py::arg("bias") = py::none(), py::arg("isa") = "")
+           py::arg("bias") = py::none(), py::arg("isa") = "", py::arg("tcode") = py::none())
       .def("forward", &TrellisLinearCPU::forward, py::arg("x"), py::arg("path") = "auto", py::arg("gemm_min_rows") = 32,
            py::arg("exact") = false, py::call_guard<py::gil_scoped_release>())
       .def("decode", &TrellisLinearCPU::decode, "The code values [N, K] (exact integers as float32)")

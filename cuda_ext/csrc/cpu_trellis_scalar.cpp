@@ -7,9 +7,10 @@ namespace exl {
 namespace cpu {
 namespace {
 
-// Values of one tile, in stream order (weight t: row t mod 16, column t div 16).
+// Values of one tile, column-major: v[16 * column + row] (the code's tile layout places weight t).
 void decode_tile(const uint32_t* w, const TrellisCode& c, float* v) {
-  for (int t = 0; t < kTileWeights; ++t) v[t] = float(trellis_value(trellis_state(w, t, c), c));
+  for (int t = 0; t < kTileWeights; ++t)
+    v[kTile * trellis_col(t, c) + trellis_row(t, c)] = float(trellis_value(trellis_state(w, t, c), c));
 }
 
 void gemv(const TrellisLayer& T, const float* x, int64_t M, float* y, int64_t ldy, int64_t i0, int64_t i1) {
@@ -47,8 +48,8 @@ void decode(const TrellisLayer& T, int64_t i0, int64_t i1, float* out, int64_t l
     }
 }
 
-void gemv_q8(const TrellisLayer& T, const int32_t* qq, const float* d, const int32_t* bsum, int64_t M, float* y,
-             int64_t ldy, int64_t i0, int64_t i1) {
+void gemv_q8(const TrellisLayer& T, const int8_t* q8, const int32_t*, const float* d, const int32_t* /*bsum*/, int64_t M,
+             float* y, int64_t ldy, int64_t i0, int64_t i1) {
   const int64_t kt = T.K / kTile, tw = tile_words(T.code.bits), nb = T.K / 32;
   float v[2][kTileWeights];
   for (int64_t i = i0; i < i1; ++i)
@@ -59,12 +60,12 @@ void gemv_q8(const TrellisLayer& T, const int32_t* qq, const float* d, const int
         for (int h = 0; h < 2; ++h) {
           decode_tile(T.words + (i * kt + 2 * b + h) * tw, T.code, v[h]);
           for (int c = 0; c < kTile; ++c) {
-            const int32_t q = int8_t(qq[m * T.K + 32 * b + 16 * h + c] & 0xff);
-            for (int r = 0; r < kTile; ++r) dot[r] += (int32_t(v[h][c * kTile + r]) + kTrellisCentre) * q;
+            const int32_t q = q8[m * T.K + 32 * b + 16 * h + c];
+            for (int r = 0; r < kTile; ++r) dot[r] += int32_t(v[h][c * kTile + r]) * q;  // exact: what both codes' offsets give
           }
         }
         for (int r = 0; r < kTile; ++r)
-          acc[r] = __builtin_fmaf(float(dot[r] - kTrellisCentre * bsum[m * nb + b]), d[m * nb + b], acc[r]);
+          acc[r] = __builtin_fmaf(float(dot[r]), d[m * nb + b], acc[r]);
       }
       for (int r = 0; r < kTile; ++r) y[m * ldy + i * kTile + r] = acc[r] * half_bits_to_float(T.tscale[i * kTile + r]);
     }

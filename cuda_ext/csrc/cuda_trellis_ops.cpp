@@ -27,7 +27,7 @@ constexpr auto kTrellisDevice = c10::DeviceType::CUDA;
 class TrellisLinearCUDA {
  public:
   TrellisLinearCUDA(torch::Tensor trellis, torch::Tensor tscale, torch::Tensor tmeta, torch::Tensor su,
-                    torch::Tensor sv, c10::optional<torch::Tensor> bias) {
+                    torch::Tensor sv, c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> tcode) {
     TORCH_CHECK(trellis.device().type() == kTrellisDevice, kWho, ": trellis must be a CUDA tensor, got one on ",
                 trellis.device());
     TORCH_CHECK(trellis.scalar_type() == torch::kInt32 && trellis.dim() == 3, kWho,
@@ -35,14 +35,31 @@ class TrellisLinearCUDA {
     TORCH_CHECK(tmeta.scalar_type() == torch::kInt32 && tmeta.numel() == 6, kWho, ": tmeta must be int32 [6]");
     const auto meta = tmeta.to(torch::kCPU).contiguous();
     const int32_t* mp = meta.data_ptr<int32_t>();
-    TORCH_CHECK(mp[0] == 1 && mp[3] == 1, kWho, ": tmeta layout version ", mp[0], " / code ", mp[3],
-                " unsupported (this exl reads version 1, code 1)");
-    dev_.code = TrellisCode{mp[1], mp[2], uint32_t(mp[4]), uint32_t(mp[5])};
+    TORCH_CHECK((mp[0] == 1 && mp[3] == kCodeLcgByteSum) || (mp[0] == 2 && mp[3] == kCodeTwoTable), kWho,
+                ": tmeta layout version ", mp[0], " / code ", mp[3],
+                " unsupported (this exl reads version 1 with code 1 and version 2 with code 2, docs/format.md §7)");
+    dev_.code = TrellisCode{mp[1], mp[2], uint32_t(mp[4]), uint32_t(mp[5]), mp[3]};
+    const bool two_table = dev_.code.code == kCodeTwoTable;
     TORCH_CHECK(dev_.code.bits >= 1 && dev_.code.bits <= 8 && dev_.code.state_bits >= std::max(8, dev_.code.bits) &&
-                    dev_.code.state_bits <= 16 && (dev_.code.mul & 1u),
+                    dev_.code.state_bits <= 16 && (two_table || (dev_.code.mul & 1u)),
                 kWho, ": bad tmeta (bits ", dev_.code.bits, ", state bits ", dev_.code.state_bits, ")");
+    TORCH_CHECK(!two_table || (dev_.code.state_bits == 12 && dev_.code.bits <= 7), kWho,
+                ": trellis code 2 needs L = 12 state bits and K <= 7 bits per weight, got L = ", dev_.code.state_bits,
+                ", K = ", dev_.code.bits);
     TORCH_CHECK(trellis.size(2) == tile_words(dev_.code.bits), kWho, ": trellis has ", trellis.size(2),
                 " words per tile, ", dev_.code.bits, "-bit tiles need ", tile_words(dev_.code.bits));
+    const bool has_tcode = tcode && tcode->defined();
+    if (two_table) {
+      TORCH_CHECK(has_tcode, kWho, ": a code 2 layer needs its tables: pass tcode (the layer's int8 [256] P.tcode)");
+      TORCH_CHECK(tcode->scalar_type() == torch::kInt8 && tcode->numel() == 2 * kTwoTableSize, kWho,
+                  ": tcode must be int8 [", 2 * kTwoTableSize, "], got ", tcode->scalar_type(), " ", tcode->sizes());
+      TORCH_CHECK(tcode->device() == trellis.device(), kWho, ": tcode is on ", tcode->device(),
+                  ", the layer (trellis) on ", trellis.device(), "; move it there");
+      tcode_ = tcode->contiguous();
+    } else {
+      TORCH_CHECK(!has_tcode, kWho, ": tcode given for a code ", dev_.code.code,
+                  " layer; only code 2 has tables (leave tcode unset)");
+    }
     dev_.N = trellis.size(0) * kTile;
     dev_.K = trellis.size(1) * kTile;
     TORCH_CHECK(tscale.scalar_type() == torch::kHalf && tscale.numel() == dev_.N, kWho, ": tscale must be float16 [",
@@ -61,9 +78,11 @@ class TrellisLinearCUDA {
     }
     dev_.words = reinterpret_cast<const uint32_t*>(trellis_.data_ptr<int32_t>());
     dev_.tscale = reinterpret_cast<const __half*>(tscale_.data_ptr<at::Half>());
+    if (two_table) dev_.code.tables = tcode_.data_ptr<int8_t>();
   }
 
   int64_t in_features() const { return dev_.K; }
+  const TrellisDev& dev() const { return dev_; }  // for the host harness's direct launcher entries
   int64_t out_features() const { return dev_.N; }
 
   // Q̂ = tscale * values [N, K] in fp16.
@@ -76,7 +95,10 @@ class TrellisLinearCUDA {
     return out;
   }
 
-  // path: "auto" (GEMV up to 8 rows, GEMM above), "gemv" or "gemm".
+  // The most rows the "auto" path sends to the GEMV (8 for code 1, 16 for code 2).
+  int64_t gemv_max_rows() const { return max_trellis_gemv_rows(dev_.code); }
+
+  // path: "auto" (GEMV up to gemv_max_rows rows, GEMM above), "gemv" or "gemm".
   torch::Tensor forward(const torch::Tensor& x, const std::string& path) const {
     TORCH_CHECK(x.device().type() == kTrellisDevice && x.scalar_type() == torch::kHalf, kWho,
                 ": input must be a float16 CUDA tensor");
@@ -101,10 +123,15 @@ class TrellisLinearCUDA {
                     nullptr, nullptr, stream);
     // 2. z = tscale * (values u)
     auto z = torch::empty({M, N}, f32);
-    if (path == "gemv" || (path == "auto" && M <= kMaxTrellisGemvRows)) {
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxTrellisGemvRows) {
-        const int rows = int(std::min<int64_t>(kMaxTrellisGemvRows, M - m0));
-        launch_trellis_gemv(dev_, u.data_ptr<float>() + m0 * K, rows, z.data_ptr<float>() + m0 * N, stream);
+    const int gemv_rows = max_trellis_gemv_rows(dev_.code);
+    if (path == "gemv" || (path == "auto" && M <= gemv_rows)) {
+      const int64_t slices = trellis_gemv_split(N, K).count;
+      torch::Tensor partial;  // the K split's partial sums
+      if (slices > 1) partial = torch::empty({slices * std::min<int64_t>(gemv_rows, M) * N}, f32);
+      for (int64_t m0 = 0; m0 < M; m0 += gemv_rows) {
+        const int rows = int(std::min<int64_t>(gemv_rows, M - m0));
+        launch_trellis_gemv(dev_, u.data_ptr<float>() + m0 * K, rows, z.data_ptr<float>() + m0 * N,
+                            slices > 1 ? partial.data_ptr<float>() : nullptr, stream);
       }
     } else {
       const auto uh = u.to(torch::kHalf);
@@ -124,7 +151,7 @@ class TrellisLinearCUDA {
   }
 
  private:
-  torch::Tensor trellis_, tscale_, su_, sv_, bias_;
+  torch::Tensor trellis_, tscale_, su_, sv_, bias_, tcode_;
   TrellisDev dev_{};
 };
 
@@ -134,13 +161,14 @@ class TrellisLinearCUDA {
 void register_trellis_cuda(pybind11::module_& m) {
   pybind11::class_<TrellisLinearCUDA>(m, "TrellisLinearCUDA")
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                          c10::optional<torch::Tensor>>(),
+                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
            pybind11::arg("trellis"), pybind11::arg("tscale"), pybind11::arg("tmeta"), pybind11::arg("su"),
-           pybind11::arg("sv"), pybind11::arg("bias") = pybind11::none())
+           pybind11::arg("sv"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("tcode") = pybind11::none())
       .def("forward", &TrellisLinearCUDA::forward, pybind11::arg("x"), pybind11::arg("path") = "auto")
       .def("dequantize", &TrellisLinearCUDA::dequantize)
       .def_property_readonly("in_features", &TrellisLinearCUDA::in_features)
-      .def_property_readonly("out_features", &TrellisLinearCUDA::out_features);
+      .def_property_readonly("out_features", &TrellisLinearCUDA::out_features)
+      .def_property_readonly("gemv_max_rows", &TrellisLinearCUDA::gemv_max_rows);
 }
 
 }  // namespace cuda

@@ -33,7 +33,7 @@ class Linear(nn.Module):
         return ext.LinearStep.dense(w, self.bias)
 
 
-TRELLIS_TENSORS = ("trellis", "tscale", "tmeta", "su", "sv", "bias")
+TRELLIS_TENSORS = ("trellis", "tscale", "tmeta", "tcode", "su", "sv", "bias")
 
 
 def is_quantized(loader: TensorLoader, prefix: str) -> bool:

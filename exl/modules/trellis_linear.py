@@ -1,7 +1,8 @@
 """`TrellisLinear`: a linear layer in the exl trellis-coded format (docs/format.md §7), run by the kernels.
 
-The module holds only the stored tensors (`trellis`, `tscale`, `tmeta`, `su`, `sv` and an optional
-`bias`) as buffers, never a decoded copy. `forward` (shared with QuantLinear, see KernelLinear) runs:
+The module holds only the stored tensors (`trellis`, `tscale`, `tmeta`, `su`, `sv`, code 2's tables
+`tcode` and an optional `bias`) as buffers, never a decoded copy. `forward` (shared with QuantLinear,
+see KernelLinear) runs:
 
 - on the CPU, float32: the extension's TrellisLinearCPU: u = H (D_u x) with the scalar layers'
   rotation kernels, then a decode-and-dot GEMV that decodes each 16x16 tile once for up to 16 rows
@@ -26,6 +27,9 @@ from exl.modules.quant_linear import KernelLinear, _default_exact
 # the int8 GEMV costs more per extra row than the fp32 one (one vpdpbusd per row and column on port 0)
 GEMM_MIN_ROWS_INT8 = 17
 GEMM_MIN_ROWS_EXACT = 32
+# code 2's int8 GEMV decodes without multiplies; each extra row is two vpdpbusd per 64 weights, so it beats the
+# GEMM up to about 64 rows (docs/benchmarks.md, "Trellis-coded layers")
+GEMM_MIN_ROWS_INT8_TWO_TABLE = 64
 
 
 class TrellisLinear(KernelLinear):
@@ -33,16 +37,17 @@ class TrellisLinear(KernelLinear):
 
     Args:
         tensors: the layer's tensors keyed by the format's names without prefix: `trellis`, `tscale`,
-            `tmeta`, `su`, `sv`, and optionally `bias`.
+            `tmeta`, `su`, `sv`, `tcode` (int8 [256], code 2 only: required there, refused for code 1), and
+            optionally `bias`.
         exact: CPU only. False (default; env EXL_CPU_EXACT=1 flips it): the GEMV multiplies int8
             activations (per 32 channels, as QuantLinear's int8 path; about 0.5% RMS relative output
             error) on the AVX-512 table, fp32 elsewhere; True: fp32 activations throughout.
         gemm_min_rows: CPU only. From this many input rows on, use tile decode + BLAS GEMM (rows
-            below it take the batch-invariant GEMV). Default 17 (int8), 32 (exact).
+            below it take the batch-invariant GEMV). Default 17 (int8; 64 for code 2), 32 (exact).
     """
 
     REQUIRED = ("trellis", "tscale", "tmeta", "su", "sv")
-    OPTIONAL = ("bias",)
+    OPTIONAL = ("tcode", "bias")
 
     def __init__(self, tensors: dict[str, torch.Tensor], *, exact: bool | None = None, gemm_min_rows: int | None = None):
         super().__init__(tensors)
@@ -53,11 +58,23 @@ class TrellisLinear(KernelLinear):
             raise ValueError(f"TrellisLinear: trellis must be int32 [{n // F.TILE}, {k // F.TILE}, "
                              f"{self.meta.words_per_tile}] for {self.meta.bits}-bit tiles, got "
                              f"{words.dtype} {list(words.shape)}")
+        tcode = tensors.get("tcode")
+        if self.meta.code == F.CODE_TWO_TABLE:
+            if tcode is None:
+                raise ValueError("TrellisLinear: a code 2 layer needs its tables, the tensor `tcode` (int8 [256]); "
+                                 "the file lacks P.tcode (docs/format.md §7.1)")
+            if tcode.dtype != torch.int8 or tuple(tcode.shape) != (2 * F.TWO_TABLE_SIZE,):
+                raise ValueError(f"TrellisLinear: tcode must be int8 [{2 * F.TWO_TABLE_SIZE}] (T_a then T_b), "
+                                 f"got {tcode.dtype} {list(tcode.shape)}")
+        elif tcode is not None:
+            raise ValueError(f"TrellisLinear: tcode is only for code 2 layers; this layer is code {self.meta.code} "
+                             "(its tmeta says so): drop P.tcode or fix tmeta")
         self.exact = _default_exact() if exact is None else exact
-        self.gemm_min_rows = gemm_min_rows or (GEMM_MIN_ROWS_EXACT if self.exact else GEMM_MIN_ROWS_INT8)
+        int8_rows = GEMM_MIN_ROWS_INT8_TWO_TABLE if self.meta.code == F.CODE_TWO_TABLE else GEMM_MIN_ROWS_INT8
+        self.gemm_min_rows = gemm_min_rows or (GEMM_MIN_ROWS_EXACT if self.exact else int8_rows)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, trellis K={self.meta.bits} L={self.meta.state_bits}"
+        return f"{super().extra_repr()}, trellis K={self.meta.bits} L={self.meta.state_bits} code={self.meta.code}"
 
     def _make_kernel(self, ext, device):
         cls = "TrellisLinearCUDA" if device.type == "cuda" else "TrellisLinearCPU"
@@ -65,4 +82,5 @@ class TrellisLinear(KernelLinear):
             raise RuntimeError(f"TrellisLinear: the installed exl extension has no {cls} (it predates trellis layers); "
                                "rebuild it (`EXL_BUILD_EXT=1 pip install .`, or remove the prebuilt cuda_ext/_exl_*.so)")
         t = self.tensors()
-        return getattr(ext, cls)(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], t.get("bias"))
+        tables = {"tcode": t["tcode"]} if "tcode" in t else {}  # code 2 only
+        return getattr(ext, cls)(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], t.get("bias"), **tables)

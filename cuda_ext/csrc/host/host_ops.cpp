@@ -77,6 +77,33 @@ void bind_host(pybind11::module_& m) {
                          reinterpret_cast<__half*>(out.data_ptr<at::Half>()), nullptr);
     check_launch();
   });
+  // the trellis launchers (cuda_trellis.cu) on a TrellisLinearCUDA's tensors
+  m.def("trellis_gemv", [](const TrellisLinearCUDA& layer, const torch::Tensor& x, torch::Tensor z) {
+    const TrellisDev& T = layer.dev();
+    check_out(x, at::kFloat, "x");
+    check_out(z, at::kFloat, "z");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == T.K && x.size(0) <= max_trellis_gemv_rows(T.code) &&
+                    z.numel() == x.size(0) * T.N,
+                "exl_cuda_host.trellis_gemv: shapes");
+    const int64_t slices = trellis_gemv_split(T.N, T.K).count;
+    auto partial = torch::empty({slices > 1 ? slices * x.size(0) * T.N : 0}, x.options());
+    launch_trellis_gemv(T, x.data_ptr<float>(), int(x.size(0)), z.data_ptr<float>(),
+                        slices > 1 ? partial.data_ptr<float>() : nullptr, nullptr);
+    check_launch();
+  });
+  m.def("trellis_gemv_split", [](int64_t N, int64_t K) {
+    const TrellisSplit s = trellis_gemv_split(N, K);
+    return std::make_tuple(s.count, s.tiles);
+  });
+  m.def("trellis_dequant", [](const TrellisLinearCUDA& layer, int64_t n0, int64_t n1, torch::Tensor out) {
+    const TrellisDev& T = layer.dev();
+    check_out(out, at::kHalf, "out");
+    TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= T.N && n0 % kTile == 0 && n1 % kTile == 0 &&
+                    out.numel() == (n1 - n0) * T.K,
+                "exl_cuda_host.trellis_dequant: shapes");
+    launch_trellis_dequant(T, n0, n1, reinterpret_cast<__half*>(out.data_ptr<at::Half>()), nullptr);
+    check_launch();
+  });
 
   // the harness itself
   m.def("set_barrier_timeout", [](double s) { exl_host::barrier_timeout_s() = s; });
