@@ -780,6 +780,17 @@ def write_doc(text: str, start: str = START, end: str = END) -> None:
     DOC.write_text(doc)
 
 
+def publish(args, results: dict, to_markdown, start: str, end: str) -> int:
+    """Print a run's table, save its raw results (--json) and write the table into its block of DOC (unless --no-doc)."""
+    text = to_markdown(results)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if not args.no_doc:
+        write_doc(text, start, end)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--windows", type=int, default=12, help="512-token windows of evaluation text")
@@ -816,40 +827,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also save the raw results here")
     args = ap.parse_args(argv)
     if args.peers:
-        results = peers_run(args)
-        text = peers_markdown(results)
-        print(text)
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=1))
-        if not args.no_doc:
-            write_doc(text, PSTART, PEND)
-        return 0
+        return publish(args, peers_run(args), peers_markdown, PSTART, PEND)
     if args.trellis_uniform:
-        results = trellis_uniform_run(args)
-        text = trellis_uniform_markdown(results)
-        print(text)
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=1))
-        if not args.no_doc:
-            write_doc(text, "<!-- trellis-uniform:start -->", "<!-- trellis-uniform:end -->")
-        return 0
+        return publish(args, trellis_uniform_run(args), trellis_uniform_markdown, "<!-- trellis-uniform:start -->",
+                       "<!-- trellis-uniform:end -->")
     if args.trellis:
-        results = trellis_run(args)
-        text = trellis_markdown(results)
-        print(text)
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=1))
-        if not args.no_doc:
-            write_doc(text, TSTART, TEND)
-        return 0
-    results = run(args)
-    text = markdown(results)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    if not args.no_doc:
-        write_doc(text)
-    return 0
+        return publish(args, trellis_run(args), trellis_markdown, TSTART, TEND)
+    return publish(args, run(args), markdown, START, END)
 
 
 if __name__ == "__main__":

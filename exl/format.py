@@ -6,6 +6,7 @@ quantizer packs with and that every kernel is tested against.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -344,6 +345,20 @@ def two_table_indices(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return (a + b) & 127, (a - b) & 127
 
 
+def check_tables(meta: TrellisMeta, tcode: torch.Tensor | None, who: str = "trellis layer") -> None:
+    """A layer's `tcode` against its code (§7.1): required (int8 [256]) for code 2, absent otherwise."""
+    if meta.code == CODE_TWO_TABLE:
+        if tcode is None:
+            raise ValueError(f"{who}: a code 2 layer needs its tables, the tensor `tcode` (int8 [256]); "
+                             "the file lacks P.tcode (docs/format.md §7.1)")
+        if tcode.dtype != torch.int8 or tuple(tcode.shape) != (2 * TWO_TABLE_SIZE,):
+            raise ValueError(f"{who}: tcode must be int8 [{2 * TWO_TABLE_SIZE}] (T_a then T_b), "
+                             f"got {tcode.dtype} {list(tcode.shape)}")
+    elif tcode is not None:
+        raise ValueError(f"{who}: tcode is only for code 2 layers; this layer is code {meta.code} "
+                         "(its tmeta says so): drop P.tcode or fix tmeta")
+
+
 def trellis_code(states: torch.Tensor, meta: TrellisMeta, tcode: torch.Tensor | None = None) -> torch.Tensor:
     """The code (§7.3): state s -> integer value.
 
@@ -353,10 +368,7 @@ def trellis_code(states: torch.Tensor, meta: TrellisMeta, tcode: torch.Tensor | 
     T_a, T_b the two halves of `tcode` (int8 [256]; in [−256, 254]).
     """
     if meta.code == CODE_TWO_TABLE:
-        if tcode is None:
-            raise ValueError("trellis code 2 needs its tables (the layer's `tcode` tensor)")
-        if tcode.dtype != torch.int8 or tcode.numel() != 2 * TWO_TABLE_SIZE:
-            raise ValueError(f"tcode must be int8 [{2 * TWO_TABLE_SIZE}], got {tcode.dtype} {list(tcode.shape)}")
+        check_tables(meta, tcode)
         t = tcode.to(torch.int32).reshape(-1)
         i, j = two_table_indices(states)
         return t[i] + t[TWO_TABLE_SIZE + j]
@@ -402,6 +414,7 @@ def trellis_pack(states: torch.Tensor, meta: TrellisMeta) -> torch.Tensor:
     return words
 
 
+@functools.lru_cache(maxsize=None)
 def _tile_order(layout: int) -> torch.Tensor:
     """For each of a tile's 256 walk positions t, its place row·16 + column in the 16×16 tile (§7.2)."""
     t = torch.arange(TILE_WEIGHTS)

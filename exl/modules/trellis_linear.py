@@ -58,17 +58,7 @@ class TrellisLinear(KernelLinear):
             raise ValueError(f"TrellisLinear: trellis must be int32 [{n // F.TILE}, {k // F.TILE}, "
                              f"{self.meta.words_per_tile}] for {self.meta.bits}-bit tiles, got "
                              f"{words.dtype} {list(words.shape)}")
-        tcode = tensors.get("tcode")
-        if self.meta.code == F.CODE_TWO_TABLE:
-            if tcode is None:
-                raise ValueError("TrellisLinear: a code 2 layer needs its tables, the tensor `tcode` (int8 [256]); "
-                                 "the file lacks P.tcode (docs/format.md §7.1)")
-            if tcode.dtype != torch.int8 or tuple(tcode.shape) != (2 * F.TWO_TABLE_SIZE,):
-                raise ValueError(f"TrellisLinear: tcode must be int8 [{2 * F.TWO_TABLE_SIZE}] (T_a then T_b), "
-                                 f"got {tcode.dtype} {list(tcode.shape)}")
-        elif tcode is not None:
-            raise ValueError(f"TrellisLinear: tcode is only for code 2 layers; this layer is code {self.meta.code} "
-                             "(its tmeta says so): drop P.tcode or fix tmeta")
+        F.check_tables(self.meta, tensors.get("tcode"), "TrellisLinear")
         self.exact = _default_exact() if exact is None else exact
         int8_rows = GEMM_MIN_ROWS_INT8_TWO_TABLE if self.meta.code == F.CODE_TWO_TABLE else GEMM_MIN_ROWS_INT8
         self.gemm_min_rows = gemm_min_rows or (GEMM_MIN_ROWS_EXACT if self.exact else int8_rows)

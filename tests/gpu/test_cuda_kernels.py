@@ -22,13 +22,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def ext():
-    from cuda_ext import build
-
-    return build.load_cuda()
-
-
 def on_gpu(t):
     return {k: v.cuda() for k, v in t.items()}
 

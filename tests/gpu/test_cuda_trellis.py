@@ -21,13 +21,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def ext():
-    from cuda_ext import build
-
-    return build.load_cuda()
-
-
 def layer(ext, t):
     g = {k: v.cuda() for k, v in t.items()}
     return ext.TrellisLinearCUDA(g["trellis"], g["tscale"], g["tmeta"], g["su"], g["sv"], g.get("bias"),
