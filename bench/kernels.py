@@ -5,7 +5,7 @@
     python bench/kernels.py --isas avxvnni,avx512vnni [--model DIR]   # int8 GEMV per instruction set
     python bench/kernels.py --trellis [--isas avx2,avx512vnni]   # trellis GEMV vs 4-bit scalar, per ISA
     python bench/kernels.py [--cuda] --json   # one JSON line: decode GEMV GB/s against the device's bandwidth
-                                              # (with --cuda also the trellis GEMV, code 1 and code 2)
+                                              # (with --cuda also the trellis GEMV, codes 1, 2 and 3)
 
 The --isas mode times the int8-activation GEMV of each instruction set on SmolLM2's real segment
 mixes (hot, one row; the cost of each extra activation row from 2 to 16 rows) and, with --model,
@@ -178,16 +178,16 @@ TRELLIS_SHAPES = [(576, 576), (1536, 576), (576, 1536)]
 
 
 def trellis_layer(n, k, bits, state_bits=16, seed=0, code=F.CODE_LCG_BYTESUM):
-    """Random walks; code 2 (L = 12) with the quantizer's default tables."""
+    """Random walks; codes 2 and 3 (L = 12) with the quantizer's default tables."""
     g = torch.Generator().manual_seed(seed)
-    if code == F.CODE_TWO_TABLE:
+    if code in F.TWO_TABLE_CODES:
         state_bits = F.TWO_TABLE_STATE_BITS
     meta = F.TrellisMeta(bits, state_bits, code=code)
     words = torch.randint(-(2**31), 2**31, (n // 16, k // 16, meta.words_per_tile), generator=g, dtype=torch.int64)
     t = {"trellis": words.to(torch.int32), "tscale": (torch.rand(n, generator=g) * 1e-3).half(),
          "tmeta": meta.to_tensor(), "su": F.pack_signs(torch.ones(k)), "sv": F.pack_signs(torch.ones(n))}
-    if code == F.CODE_TWO_TABLE:
-        t["tcode"] = F.two_table_default()
+    if code in F.TWO_TABLE_CODES:
+        t["tcode"] = F.two_table_default(code)
     return t
 
 
@@ -275,12 +275,12 @@ SPEC_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350, "A1
 
 
 TRELLIS_CUDA_SHAPES = [(576, 576), (4096, 4096), (14336, 4096), (4096, 14336)]
-TRELLIS_CUDA_CASES = [(1, 3), (2, 2), (2, 3), (2, 4)]  # (code, K): the quantizer writes code 2 for K <= 4
+TRELLIS_CUDA_CASES = [(1, 3), (2, 3), (3, 2), (3, 3), (3, 4)]  # (code, K): the quantizer writes code 3 for K <= 4
 
 
 def trellis_gemv_rates(ext, sync, dev="cuda", shapes=TRELLIS_CUDA_SHAPES, cases=TRELLIS_CUDA_CASES):
     """One-row TrellisLinearCUDA forward (rotations included, "gemv" path) per shape, code and K: microseconds
-    and GB/s of stored bytes (trellis + tscale + tcode). Random streams, the quantizer's code-2 tables."""
+    and GB/s of stored bytes (trellis + tscale + tcode). Random streams, the quantizer's tables."""
     out = []
     for n, k in shapes:
         for code, bits in cases:
@@ -288,13 +288,13 @@ def trellis_gemv_rates(ext, sync, dev="cuda", shapes=TRELLIS_CUDA_SHAPES, cases=
             meta = F.TrellisMeta(bits, F.TWO_TABLE_STATE_BITS, code=code)
             words = torch.randint(-(2**31), 2**31, (n // 16, k // 16, meta.words_per_tile), generator=g,
                                   dtype=torch.int64).to(torch.int32)
-            tcode = F.two_table_default().to(dev) if code == F.CODE_TWO_TABLE else None
+            tcode = F.two_table_default(code).to(dev) if code in F.TWO_TABLE_CODES else None
             q = ext.TrellisLinearCUDA(words.to(dev), (torch.rand(n, generator=g) * 1e-3).half().to(dev),
                                       meta.to_tensor(), F.pack_signs(torch.ones(k)).to(dev),
                                       F.pack_signs(torch.ones(n)).to(dev), None, tcode=tcode)
             x = torch.randn(1, k, generator=g).half().to(dev)
             secs = best_time(lambda: q.forward(x, "gemv"), sync)
-            nbytes = 4 * words.numel() + 2 * n + (256 if tcode is not None else 0)
+            nbytes = 4 * words.numel() + 2 * n + (tcode.numel() if tcode is not None else 0)
             out.append({"shape": f"{n}x{k}", "code": code, "bits": bits, "us": round(secs * 1e6, 2),
                         "gbs": round(nbytes / secs / 1e9, 1)})
     return out
@@ -352,8 +352,8 @@ def main():
     ap.add_argument("--trellis", action="store_true", help="trellis GEMV per instruction set vs scalar 4-bit")
     ap.add_argument("--trellis-bits", type=lambda s: [int(v) for v in s.split(",")], default=[2, 3, 4])
     ap.add_argument("--state-bits", type=int, default=12, help="trellis L for --trellis (the quantizer's choice: 12)")
-    ap.add_argument("--codes", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2],
-                    help="trellis codes for --trellis (code 2 always at L = 12, with the default tables)")
+    ap.add_argument("--codes", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 3],
+                    help="trellis codes for --trellis (codes 2 and 3 always at L = 12, with the default tables)")
     ap.add_argument("--json", action="store_true", help="one JSON line: decode GEMV GB/s vs the device's bandwidth")
     args = ap.parse_args()
     if args.threads:

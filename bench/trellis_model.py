@@ -1,10 +1,10 @@
 """A SPEED-ONLY trellis-coded copy of an exl or float model folder (docs/format.md §7).
 
-    python bench/trellis_model.py -i ~/.cache/exl/bench/smol-4.0 -o /tmp/smol-trellis-3 -b 3 [--code 2]
+    python bench/trellis_model.py -i ~/.cache/exl/bench/smol-4.0 -o /tmp/smol-trellis-3 -b 3 [--code 3]
 
 Every decoder linear layer (`model.layers.N.*_proj`, stored dense as `.weight` or scalar-coded as
 `.qweight`...) is replaced by a trellis layer of the same shape whose tiles are RANDOM walks (random
-words; code 2 by default, with the quantizer's tables, at L = 12; `--code 1` for code 1), scaled per
+words; code 3 by default, with the quantizer's tables, at L = 12; `--code 1` for code 1), scaled per
 output channel to the RMS of the original (rotated) row. Everything else
 (embeddings, norms, the head) is copied unchanged. The result runs at the speed of a real
 trellis model of that size, but its weights are noise: its text is garbage. Use it to time
@@ -51,13 +51,13 @@ def _rotated_rows(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def random_walk_layer(tensors: dict[str, torch.Tensor], bits: int, state_bits: int, gen: torch.Generator,
-                      code: int = F.CODE_TWO_TABLE) -> dict:
-    """Trellis tensors with random tiles, each row scaled to the RMS of the source's rotated row (code 2: L = 12)."""
+                      code: int = F.CODE_TWO_TABLE_64) -> dict:
+    """Trellis tensors with random tiles, each row scaled to the RMS of the source's rotated row (codes 2, 3: L = 12)."""
     q, su, sv = _rotated_rows(tensors)
     n, k = q.shape
     if n % F.TILE or k % F.TILE:
         raise ValueError(f"a {n}x{k} layer cannot be trellis-coded (N and K must be multiples of {F.TILE})")
-    meta = F.TrellisMeta(bits, F.TWO_TABLE_STATE_BITS if code == F.CODE_TWO_TABLE else state_bits, code=code)
+    meta = F.TrellisMeta(bits, F.TWO_TABLE_STATE_BITS if code in F.TWO_TABLE_CODES else state_bits, code=code)
     words = torch.randint(-(2**31), 2**31, (n // F.TILE, k // F.TILE, meta.words_per_tile), generator=gen,
                           dtype=torch.int64).to(torch.int32)
     rms = q.pow(2).mean(dim=1).sqrt()
@@ -71,7 +71,7 @@ def random_walk_layer(tensors: dict[str, torch.Tensor], bits: int, state_bits: i
 
 
 def trellis_copy(src: Path, dst: Path, bits: int = 3, state_bits: int = 16, seed: int = 0,
-                 code: int = F.CODE_TWO_TABLE) -> float:
+                 code: int = F.CODE_TWO_TABLE_64) -> float:
     """Write the speed-only trellis copy of folder src into dst; returns the decoder layers' bpw."""
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
@@ -101,7 +101,7 @@ def trellis_copy(src: Path, dst: Path, bits: int = 3, state_bits: int = 16, seed
         save_file(out, dst / shard.name, metadata={"format": "pt"})
     cfg = json.loads((dst / "config.json").read_text())
     q = cfg.get("quantization_config") or {"quant_method": "exl"}
-    if code == F.CODE_TWO_TABLE:
+    if code in F.TWO_TABLE_CODES:
         state_bits = F.TWO_TABLE_STATE_BITS
     q.update(version=2, speed_only_random_trellis=True, trellis_bits=bits, trellis_state_bits=state_bits,
              trellis_code=code, measured_bpw=round(bits_total / max(weights_total, 1), 4))
@@ -116,7 +116,7 @@ def main():
     ap.add_argument("-o", "--output", required=True)
     ap.add_argument("-b", "--bits", type=int, default=3, help="trellis bits per weight K (1..8)")
     ap.add_argument("-L", "--state-bits", type=int, default=16, help="L for code 1 (code 2 is always L = 12)")
-    ap.add_argument("--code", type=int, choices=(1, 2), default=2, help="trellis code (docs/format.md §7.3)")
+    ap.add_argument("--code", type=int, choices=(1, 2, 3), default=3, help="trellis code (docs/format.md §7.3)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     bpw = trellis_copy(Path(a.input), Path(a.output), a.bits, a.state_bits, a.seed, a.code)

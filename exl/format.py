@@ -250,17 +250,29 @@ def perm_dtype(k: int) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------
 # Trellis-coded layers (docs/format.md §7, format version 2)
 
-TRELLIS_LAYOUTS = (1, 2)  # tile layouts (§7.2): 1 column-major (code 1), 2 quad-row order (code 2)
+TRELLIS_LAYOUTS = (1, 2)  # tile layouts (§7.2): 1 column-major (code 1), 2 quad-row order (codes 2, 3)
 TILE = 16  # a tile is 16 output channels x 16 input channels = 256 weights, one trellis walk
 TILE_WEIGHTS = TILE * TILE
 TRELLIS_SUFFIXES = ("trellis", "tscale", "tmeta", "tcode", "su", "sv")
 CODE_LCG_BYTESUM = 1  # §7.3: a multiply-add and a byte sum per weight
 CODE_TWO_TABLE = 2  # §7.3: the sum of two lookups in 128-entry int8 tables (`P.tcode`)
-CODE_LAYOUT = {CODE_LCG_BYTESUM: 1, CODE_TWO_TABLE: 2}  # each code comes with its tile layout
+CODE_TWO_TABLE_64 = 3  # §7.3: the same with 64-entry tables (one register-wide lookup each on AVX-512)
+TWO_TABLE_CODES = (CODE_TWO_TABLE, CODE_TWO_TABLE_64)
+CODE_LAYOUT = {CODE_LCG_BYTESUM: 1, CODE_TWO_TABLE: 2, CODE_TWO_TABLE_64: 2}  # each code comes with its tile layout
 CODE_CENTRE = 510  # 4 bytes of 0..255 sum to 0..1020; the centre makes the code symmetric
-TWO_TABLE_STATE_BITS = 12  # code 2 is defined for L = 12 only
+TWO_TABLE_STATE_BITS = 12  # codes 2 and 3 are defined for L = 12 only
 TWO_TABLE_MAX_BITS = 7  # and K_b <= 7 (a decoder reads each weight's two index bytes from one 64-bit window)
-TWO_TABLE_SIZE = 128
+TWO_TABLE_SIZE = 128  # entries per table of code 2 (two_table_size: any two-table code)
+
+
+def two_table_size(code: int) -> int:
+    """Entries in each of a two-table code's tables: 128 (code 2) or 64 (code 3)."""
+    return 64 if code == CODE_TWO_TABLE_64 else TWO_TABLE_SIZE
+
+
+def two_table_shift(code: int) -> int:
+    """The state bit where index b starts: 5 (code 2, b = bits 5–11) or 6 (code 3, b = bits 6–11)."""
+    return 6 if code == CODE_TWO_TABLE_64 else 5
 
 
 @dataclass(frozen=True)
@@ -277,8 +289,8 @@ class TrellisMeta:
     def __post_init__(self):
         if self.version == 0 and self.code in CODE_LAYOUT:
             object.__setattr__(self, "version", CODE_LAYOUT[self.code])
-        if self.code == CODE_TWO_TABLE:
-            object.__setattr__(self, "mul", 0)  # unused by code 2, stored as 0
+        if self.code in TWO_TABLE_CODES:
+            object.__setattr__(self, "mul", 0)  # unused by codes 2 and 3, stored as 0
             object.__setattr__(self, "add", 0)
         if not 1 <= self.bits <= 8:
             raise ValueError(f"trellis bits must be in 1..8, got {self.bits}")
@@ -295,9 +307,9 @@ class TrellisMeta:
                              f"not {self.version}")
         if self.code == CODE_LCG_BYTESUM and not self.mul & 1:
             raise ValueError("the trellis code multiplier must be odd")
-        if self.code == CODE_TWO_TABLE and (self.state_bits != TWO_TABLE_STATE_BITS
-                                            or self.bits > TWO_TABLE_MAX_BITS):
-            raise ValueError(f"trellis code 2 needs L = {TWO_TABLE_STATE_BITS} and K_b <= {TWO_TABLE_MAX_BITS}, "
+        if self.code in TWO_TABLE_CODES and (self.state_bits != TWO_TABLE_STATE_BITS
+                                             or self.bits > TWO_TABLE_MAX_BITS):
+            raise ValueError(f"trellis code {self.code} needs L = {TWO_TABLE_STATE_BITS} and K_b <= {TWO_TABLE_MAX_BITS}, "
                              f"got L = {self.state_bits}, K_b = {self.bits}")
 
     @property
@@ -325,37 +337,42 @@ def is_trellis(t: dict) -> bool:
     return "trellis" in t
 
 
-def two_table_default() -> torch.Tensor:
-    """The tables exl's quantizer writes as `P.tcode` for code 2 (int8 [256]: T_a then T_b).
+def two_table_default(code: int = CODE_TWO_TABLE) -> torch.Tensor:
+    """The tables exl's quantizer writes as `P.tcode` for a two-table code (int8 [2n]: T_a then T_b).
 
-    Both are the 128 Gaussian quantiles Φ⁻¹((i + ½)/128), scaled to a largest magnitude of 127 and rounded,
-    in two seeded random orders (torch.randperm, generator seed 0): near-Gaussian code values of σ ≈ 67.5.
-    Readers never rebuild them: they read `P.tcode`.
+    Both are the n Gaussian quantiles Φ⁻¹((i + ½)/n) (n = 128 for code 2, 64 for code 3), scaled to a
+    largest magnitude of 127 and rounded, in two seeded random orders (torch.randperm, generator seed 0):
+    near-Gaussian code values (σ ≈ 67.5 for code 2). Readers never rebuild them: they read `P.tcode`.
     """
-    q = torch.special.ndtri((torch.arange(TWO_TABLE_SIZE, dtype=torch.float64) + 0.5) / TWO_TABLE_SIZE)
+    n = two_table_size(code)
+    q = torch.special.ndtri((torch.arange(n, dtype=torch.float64) + 0.5) / n)
     q = torch.round(q * 127 / q.max()).to(torch.int8)
     g = torch.Generator().manual_seed(0)
-    return torch.cat([q[torch.randperm(TWO_TABLE_SIZE, generator=g)], q[torch.randperm(TWO_TABLE_SIZE, generator=g)]])
+    return torch.cat([q[torch.randperm(n, generator=g)], q[torch.randperm(n, generator=g)]])
 
 
-def two_table_indices(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Code 2's table indices (§7.3): a = s mod 128, b = (s >> 5) mod 128 -> ((a + b) mod 128, (a − b) mod 128)."""
+def two_table_indices(states: torch.Tensor, code: int = CODE_TWO_TABLE) -> tuple[torch.Tensor, torch.Tensor]:
+    """A two-table code's indices (§7.3): with n entries per table and b starting at bit `two_table_shift`,
+    a = s mod n, b = (s >> shift) mod n -> ((a + b) mod n, (a − b) mod n)."""
     s = states.to(torch.int64)
-    a, b = s & 127, (s >> 5) & 127
-    return (a + b) & 127, (a - b) & 127
+    m = two_table_size(code) - 1
+    a, b = s & m, (s >> two_table_shift(code)) & m
+    return (a + b) & m, (a - b) & m
 
 
 def check_tables(meta: TrellisMeta, tcode: torch.Tensor | None, who: str = "trellis layer") -> None:
-    """A layer's `tcode` against its code (§7.1): required (int8 [256]) for code 2, absent otherwise."""
-    if meta.code == CODE_TWO_TABLE:
+    """A layer's `tcode` against its code (§7.1): required for codes 2 (int8 [256]) and 3 (int8 [128]),
+    absent otherwise."""
+    if meta.code in TWO_TABLE_CODES:
+        size = 2 * two_table_size(meta.code)
         if tcode is None:
-            raise ValueError(f"{who}: a code 2 layer needs its tables, the tensor `tcode` (int8 [256]); "
+            raise ValueError(f"{who}: a code {meta.code} layer needs its tables, the tensor `tcode` (int8 [{size}]); "
                              "the file lacks P.tcode (docs/format.md §7.1)")
-        if tcode.dtype != torch.int8 or tuple(tcode.shape) != (2 * TWO_TABLE_SIZE,):
-            raise ValueError(f"{who}: tcode must be int8 [{2 * TWO_TABLE_SIZE}] (T_a then T_b), "
+        if tcode.dtype != torch.int8 or tuple(tcode.shape) != (size,):
+            raise ValueError(f"{who}: tcode of a code {meta.code} layer must be int8 [{size}] (T_a then T_b), "
                              f"got {tcode.dtype} {list(tcode.shape)}")
     elif tcode is not None:
-        raise ValueError(f"{who}: tcode is only for code 2 layers; this layer is code {meta.code} "
+        raise ValueError(f"{who}: tcode is only for code 2 and 3 layers; this layer is code {meta.code} "
                          "(its tmeta says so): drop P.tcode or fix tmeta")
 
 
@@ -366,12 +383,14 @@ def trellis_code(states: torch.Tensor, meta: TrellisMeta, tcode: torch.Tensor | 
     a sum of four near-uniform bytes is close to Gaussian (σ ≈ 147.8), which suits rotated weights.
     Code 2: value = T_a[(a + b) mod 128] + T_b[(a − b) mod 128] with a, b the state's bits 0–6 and 5–11 and
     T_a, T_b the two halves of `tcode` (int8 [256]; in [−256, 254]).
+    Code 3: value = T_a[(a + b) mod 64] + T_b[(a − b) mod 64] with a, b the state's bits 0–5 and 6–11 and
+    T_a, T_b the two halves of `tcode` (int8 [128]).
     """
-    if meta.code == CODE_TWO_TABLE:
+    if meta.code in TWO_TABLE_CODES:
         check_tables(meta, tcode)
         t = tcode.to(torch.int32).reshape(-1)
-        i, j = two_table_indices(states)
-        return t[i] + t[TWO_TABLE_SIZE + j]
+        i, j = two_table_indices(states, meta.code)
+        return t[i] + t[two_table_size(meta.code) + j]
     x = (states.to(torch.int64) * meta.mul + meta.add) & 0xFFFFFFFF
     return ((x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24) - CODE_CENTRE).to(torch.int32)
 

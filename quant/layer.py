@@ -201,7 +201,7 @@ def trellis_tensors(p, r: TR.Result, setting: TrellisSetting, bias: torch.Tensor
     """trellis/tscale/tmeta/su/sv (+ bias) of a trellis-coded layer (docs/format.md §7.1), on the CPU."""
     t = {"trellis": r.words.cpu().contiguous(), "tscale": r.scales.cpu().to(torch.float16).contiguous(),
          "tmeta": setting.meta().to_tensor(), "su": F.pack_signs(p.su.cpu()), "sv": F.pack_signs(p.sv.cpu())}
-    if setting.code == F.CODE_TWO_TABLE:
+    if setting.code in F.TWO_TABLE_CODES:
         t["tcode"] = TR.tables(setting.meta())
     if bias is not None:
         t["bias"] = bias.detach().cpu().to(torch.float16)

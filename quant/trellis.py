@@ -25,7 +25,7 @@ WINDOW = 0  # steps each side of the wrap point in the first (overlap-finding) p
 
 def tables(meta: TrellisMeta) -> torch.Tensor | None:
     """The `tcode` tables the quantizer writes for this code (None for a computed code)."""
-    return F.two_table_default() if meta.code == F.CODE_TWO_TABLE else None
+    return F.two_table_default(meta.code) if meta.code in F.TWO_TABLE_CODES else None
 
 
 @functools.lru_cache(maxsize=64)

@@ -97,9 +97,9 @@ def kv_unpack(packed, bits, d):
 
 
 def random_trellis(n, k, bits, state_bits, seed=0, bias=True, code=1):
-    """Random bit streams (every stream is a valid tail-biting walk); code 2 with random full-range tables."""
+    """Random bit streams (every stream is a valid tail-biting walk); codes 2, 3 with random full-range tables."""
     g = torch.Generator().manual_seed(seed)
-    if code == F.CODE_TWO_TABLE:
+    if code in F.TWO_TABLE_CODES:
         meta = F.TrellisMeta(bits, state_bits, code=code)
     else:
         meta = F.TrellisMeta(bits, state_bits, mul=0x9E3779B1, add=0x7F4A7C15)
@@ -107,19 +107,20 @@ def random_trellis(n, k, bits, state_bits, seed=0, bias=True, code=1):
     t = {"trellis": words.to(torch.int32), "tscale": (torch.rand(n, generator=g) * 1e-3 + 1e-4).half(),
          "tmeta": meta.to_tensor(), "su": F.pack_signs(torch.where(torch.rand(k, generator=g) < 0.5, -1, 1)),
          "sv": F.pack_signs(torch.where(torch.rand(n, generator=g) < 0.5, -1, 1))}
-    if code == F.CODE_TWO_TABLE:
-        tcode = torch.randint(-128, 128, (256,), generator=g, dtype=torch.int8)
+    if code in F.TWO_TABLE_CODES:
+        size = F.two_table_size(code)
+        tcode = torch.randint(-128, 128, (2 * size,), generator=g, dtype=torch.int8)
         extremes = torch.tensor([-128, 127], dtype=torch.int8)
-        tcode[:2], tcode[128:130] = extremes, extremes.flip(0)  # both tables' extremes, either sign
+        tcode[:2], tcode[size:size + 2] = extremes, extremes.flip(0)  # both tables' extremes, either sign
         t["tcode"] = tcode
     if bias:
         t["bias"] = torch.randn(n, generator=g) * 0.1
     return t
 
 
-def random_two_table(n, k, bits, seed=0, bias=True):
-    """A random code 2 layer (L = 12, tile layout 2)."""
-    return random_trellis(n, k, bits, F.TWO_TABLE_STATE_BITS, seed, bias, code=F.CODE_TWO_TABLE)
+def random_two_table(n, k, bits, seed=0, bias=True, code=F.CODE_TWO_TABLE):
+    """A random two-table layer (code 2 or 3; L = 12, tile layout 2)."""
+    return random_trellis(n, k, bits, F.TWO_TABLE_STATE_BITS, seed, bias, code=code)
 
 
 def trellis_reference(x, t):

@@ -197,21 +197,21 @@ def test_trellis_conversion_loads_accounts_bits_and_beats_scalar(tiny, trellis_c
     assert report["predicted_kl"] < scalar["predicted_kl"]
 
 
-def test_trellis_code2_conversion_writes_tables_and_runs_on_the_kernels(tiny, tmp_path, monkeypatch):
+def test_trellis_two_table_conversion_writes_tables_and_runs_on_the_kernels(tiny, tmp_path, monkeypatch):
     import quant.candidates as C
 
     monkeypatch.setattr(C, "TWO_TABLE_MIN_WEIGHTS", 0)  # the tiny matrices would keep code 1 (tables too dear)
     out = tmp_path / "c2"
     options = QuantOptions(measure_rows=32, fisher_rows=2, codes="trellis", trellis_bits=(2, 3))
     report = convert(tiny_job(tiny, out, bits=3.0, rows=16, length=64, options=options), progress=False)
-    assert all(s["setting"].endswith("/c2") for s in report["layers"])
+    assert all(s["setting"].endswith("/c3") for s in report["layers"])
     from exl.loader import TensorLoader
 
     loader = TensorLoader(out)
     prefix = "model.layers.0.mlp.up_proj"
     t = {s: loader.get(f"{prefix}.{s}") for s in F.TRELLIS_SUFFIXES if f"{prefix}.{s}" in loader}
     meta = F.TrellisMeta.from_tensor(t["tmeta"])
-    assert meta.code == F.CODE_TWO_TABLE and meta.version == 2 and torch.equal(t["tcode"], F.two_table_default())
+    assert meta.code == F.CODE_TWO_TABLE_64 and meta.version == 2 and torch.equal(t["tcode"], F.two_table_default(3))
     model = exl.load_model(out, progress=False)
     lin = model.layers[0].mlp.up
     x = torch.randn(3, lin.in_features)

@@ -82,15 +82,16 @@ def test_gemv_split_of_k(host):
 
 
 @pytest.mark.parametrize("code,bits,n,k", [(2, b, 80, 48) for b in (1, 2, 3, 4, 7)] + [(1, 3, 80, 48)]
-                         + [(c, b, 48, 416) for c, b in ((2, 2), (2, 7), (1, 3), (1, 8))])
+                         + [(3, b, 80, 48) for b in (1, 3, 6, 7)]
+                         + [(c, b, 48, 416) for c, b in ((2, 2), (2, 7), (3, 3), (1, 3), (1, 8))])
 def test_gemv_every_row_count(host, code, bits, n, k):
     """The raw GEMV (fp32 in, fp32 out) for every row count it takes against Q̂ u in float64: every template
     instantiation with live rows below the template's; N = 80 (the second block has one warp), K = 48;
     N = 48, K = 416 (six K-slices, the last of one tile, added by the second launch)."""
-    t = (random_two_table(n, k, bits, seed=20 + bits, bias=False) if code == 2
+    t = (random_two_table(n, k, bits, seed=20 + bits, bias=False, code=code) if code in F.TWO_TABLE_CODES
          else random_trellis(n, k, bits, 16 if bits < 8 else 8, seed=20 + bits, bias=False))
     lay = layer(host, t)
-    assert lay.gemv_max_rows == (16 if code == 2 else 8)
+    assert lay.gemv_max_rows == (16 if code in F.TWO_TABLE_CODES else 8)
     q = F.trellis_decode(t, torch.float64)
     g = torch.Generator().manual_seed(bits)
     for m in range(1, lay.gemv_max_rows + 1):
@@ -105,11 +106,13 @@ def test_gemv_every_row_count(host, code, bits, n, k):
         assert err <= 1e-5 * float(want.abs().max()), f"m={m}: max err {float(err):.3e}"
 
 
-@pytest.mark.parametrize("bits,shape,bias", [(2, (64, 96), True), (3, (16, 16), False), (4, (80, 48), True),
-                                             (7, (32, 144), True)])
-def test_two_table_forward_paths(host, bits, shape, bias):
+@pytest.mark.parametrize("code,bits,shape,bias", [(2, 2, (64, 96), True), (2, 3, (16, 16), False),
+                                                  (2, 4, (80, 48), True), (2, 7, (32, 144), True),
+                                                  (3, 2, (64, 96), True), (3, 5, (16, 16), False),
+                                                  (3, 7, (32, 144), True)])
+def test_two_table_forward_paths(host, code, bits, shape, bias):
     n, k = shape
-    t = random_two_table(n, k, bits, seed=30 + bits, bias=bias)
+    t = random_two_table(n, k, bits, seed=30 + bits, bias=bias, code=code)
     lay = layer(host, t)
     assert (lay.in_features, lay.out_features) == (k, n)
     g = torch.Generator().manual_seed(bits)
@@ -123,16 +126,17 @@ def test_two_table_forward_paths(host, bits, shape, bias):
     assert lay.forward(x, "auto").shape == (2, 3, n)
 
 
-@pytest.mark.parametrize("code", [1, 2])
+@pytest.mark.parametrize("code", [1, 2, 3])
 def test_gemv_is_batch_invariant(host, code):
-    """A row's output is bit for bit the same whatever the row count of the GEMV (code 1 up to 8, code 2 up
-    to 16; checked at 1, 2, 3, 5, half, all but one and all rows, as the first or the last rows), with a K split
-    (3 slices)."""
-    t = random_two_table(64, 192, 3, seed=5) if code == 2 else random_trellis(64, 192, 3, 12, seed=5)
+    """A row's output is bit for bit the same whatever the row count of the GEMV (code 1 up to 8, codes 2
+    and 3 up to 16; checked at 1, 2, 3, 5, half, all but one and all rows, as the first or the last rows), with
+    a K split (3 slices)."""
+    two = code in F.TWO_TABLE_CODES
+    t = random_two_table(64, 192, 3, seed=5, code=code) if two else random_trellis(64, 192, 3, 12, seed=5)
     lay = layer(host, t)
     assert host.trellis_gemv_split(64, 192) == (3, 4)
     rows = lay.gemv_max_rows
-    assert rows == (16 if code == 2 else 8)
+    assert rows == (16 if two else 8)
     x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(code)).half()
     full = lay.forward(x, "auto")
     for m in (1, 2, 3, 5, rows // 2 + 1, rows - 1):
@@ -140,10 +144,11 @@ def test_gemv_is_batch_invariant(host, code):
         assert torch.equal(lay.forward(x[rows - m :], "gemv"), full[rows - m :]), f"last {m} rows"
 
 
-def test_two_table_default_tables(host):
+@pytest.mark.parametrize("code", F.TWO_TABLE_CODES)
+def test_two_table_default_tables(host, code):
     """The quantizer's tables (exl.format.two_table_default) through every path."""
-    t = random_two_table(32, 64, 2, seed=3)
-    t["tcode"] = F.two_table_default()
+    t = random_two_table(32, 64, 2, seed=3, code=code)
+    t["tcode"] = F.two_table_default(code)
     lay = layer(host, t)
     assert torch.equal(lay.dequantize(), F.trellis_decode(t, torch.float64).half())
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)).half()
@@ -160,9 +165,9 @@ def test_two_table_bad_tensors_are_named(host):
     args = (t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"])
     with pytest.raises(RuntimeError, match="needs its tables: pass tcode"):
         host.TrellisLinearCUDA(*args)
-    with pytest.raises(RuntimeError, match=r"tcode must be int8 \[256\]"):
+    with pytest.raises(RuntimeError, match=r"must be int8 \[256\]"):
         host.TrellisLinearCUDA(*args, tcode=t["tcode"].to(torch.int16))
-    with pytest.raises(RuntimeError, match=r"tcode must be int8 \[256\]"):
+    with pytest.raises(RuntimeError, match=r"must be int8 \[256\]"):
         host.TrellisLinearCUDA(*args, tcode=t["tcode"][:128])
     with pytest.raises(RuntimeError, match="tcode is on meta"):
         host.TrellisLinearCUDA(*args, tcode=t["tcode"].to("meta"))
@@ -174,6 +179,11 @@ def test_two_table_bad_tensors_are_named(host):
         words = torch.zeros(2, 2, 8 * int(bad[1]), dtype=torch.int32)
         with pytest.raises(RuntimeError, match=msg):
             host.TrellisLinearCUDA(words, t["tscale"], bad, t["su"], t["sv"], tcode=t["tcode"])
+    t3 = random_two_table(32, 32, 3, seed=1, code=3)
+    with pytest.raises(RuntimeError, match=r"tcode of a code 3 layer must be int8 \[128\]"):
+        host.TrellisLinearCUDA(t3["trellis"], t3["tscale"], t3["tmeta"], t3["su"], t3["sv"], tcode=t["tcode"])
+    with pytest.raises(RuntimeError, match="layout version 1 / code 3 unsupported"):
+        host.TrellisLinearCUDA(t3["trellis"], t3["tscale"], meta(1, 3, 12, 3), t3["su"], t3["sv"], tcode=t3["tcode"])
     c1 = random_trellis(32, 32, 3, 12, seed=1)
     with pytest.raises(RuntimeError, match="tcode given for a code 1 layer"):
         host.TrellisLinearCUDA(c1["trellis"], c1["tscale"], c1["tmeta"], c1["su"], c1["sv"], tcode=t["tcode"])

@@ -168,12 +168,43 @@ def test_trellis_code_2_is_the_sum_of_two_table_lookups():
         F.trellis_codebook(meta)
 
 
+def test_trellis_code_3_is_the_sum_of_two_64_entry_table_lookups():
+    tc = F.two_table_default(3)
+    assert tc.dtype == torch.int8 and tc.shape == (128,)
+    assert sorted(tc[:64].tolist()) == sorted(tc[64:].tolist()) and int(tc.abs().max()) == 127
+    meta = F.TrellisMeta(3, 12, code=F.CODE_TWO_TABLE_64)
+    assert (meta.version, meta.mul, meta.add) == (2, 0, 0)
+    cb = F.trellis_codebook(meta, tc).double()
+    assert abs(cb.mean()) < 2 and 60 < cb.std() < 80
+    for s in (0, 1, 63, 64, 2047, 4095):
+        a, b = s & 63, (s >> 6) & 63
+        assert int(cb[s]) == int(tc[(a + b) % 64]) + int(tc[64 + (a - b) % 64])
+    assert F.TrellisMeta.from_tensor(meta.to_tensor()) == meta
+    with pytest.raises(ValueError, match=r"tcode of a code 3 layer must be int8 \[128\]"):
+        F.trellis_codebook(meta, F.two_table_default(2))
+    # the 4096 states take many distinct values: the code behaves like a random one, not a 64-level grid
+    assert len(set(cb.tolist())) > 300
+
+
+def test_trellis_code_3_layer_counts_its_128_bytes_of_tables():
+    meta = F.TrellisMeta(2, 12, code=F.CODE_TWO_TABLE_64)
+    _, t = _random_trellis(bits=2)
+    t["tmeta"], t["tcode"] = meta.to_tensor(), F.two_table_default(3)
+    values = F.trellis_code(F.trellis_states(t["trellis"], meta), meta, t["tcode"])
+    q = F.trellis_decode(t, torch.float64)
+    assert float(q[17, 38]) == float(values[1, 2, 70]) * float(t["tscale"][17])  # layout 2, as code 2
+    n, k = 32, 48
+    assert F.storage_bits(t) == 8 * (2 * n * k // 8 + 2 * n + 24 + 128 + k // 8 + n // 8)
+
+
 @pytest.mark.parametrize("kw,msg", [
     ({"bits": 3, "state_bits": 14, "code": 2}, "code 2 needs L = 12"),
     ({"bits": 8, "state_bits": 12, "code": 2}, "code 2 needs L = 12"),
     ({"bits": 3, "state_bits": 12, "code": 2, "version": 1}, "stored in tile layout 2"),
     ({"bits": 3, "state_bits": 12, "code": 1, "version": 2}, "stored in tile layout 1"),
-    ({"bits": 3, "state_bits": 12, "code": 3}, "unknown trellis code id 3"),
+    ({"bits": 3, "state_bits": 12, "code": 4}, "unknown trellis code id 4"),
+    ({"bits": 3, "state_bits": 16, "code": 3}, "code 3 needs L = 12"),
+    ({"bits": 3, "state_bits": 12, "code": 3, "version": 1}, "stored in tile layout 2"),
     ({"bits": 3, "state_bits": 12, "version": 3}, "layout version 3 is not supported"),
 ])
 def test_trellis_meta_refuses_what_the_format_does_not_define(kw, msg):

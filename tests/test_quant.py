@@ -309,7 +309,11 @@ def test_float32_hessians_for_very_wide_layers(monkeypatch):
 
 def test_default_trellis_code_is_two_tables_up_to_4_bits_on_matrices_where_tables_are_cheap():
     big = {s.bits: s.code for s in trellis_candidates(576, 1536)}
-    assert big == {1: 2, 2: 2, 3: 2, 4: 2, 5: 1, 6: 1, 7: 1, 8: 1}
-    assert {s.code for s in trellis_candidates(192, 576)} == {1, 2}  # SmolLM2's smallest (k_proj): 0.019 bpw of tables
-    assert {s.code for s in trellis_candidates(64, 64)} == {1}  # 256 bytes would be 0.5 bpw here
-    assert all(s.state_bits == 12 for s in trellis_candidates(576, 1536) if s.code == 2)
+    assert big == {1: 3, 2: 3, 3: 3, 4: 3, 5: 1, 6: 1, 7: 1, 8: 1}
+    assert {s.code for s in trellis_candidates(192, 576)} == {1, 3}  # SmolLM2's smallest (k_proj): 0.009 bpw of tables
+    assert {s.code for s in trellis_candidates(64, 64)} == {1}  # 128 bytes would be 0.25 bpw here
+    assert all(s.state_bits == 12 for s in trellis_candidates(576, 1536) if s.code == 3)
+    assert trellis_storage_bits(64, 64, 3, 3) - trellis_storage_bits(64, 64, 3, 1) == 8 * 128
+    assert trellis_storage_bits(64, 64, 3, 2) - trellis_storage_bits(64, 64, 3, 1) == 8 * 256
+    assert TrellisSetting.parse("trellis3/L12/c3") == TrellisSetting(3, 12, 3)
+    assert TrellisSetting.parse("trellis3/L12/c2").code == 2  # older measurements keep their meaning

@@ -210,14 +210,15 @@ def test_viterbi_matches_the_reference_at_real_sizes_on_both_step_orders(k, L):
             assert got == pytest.approx(ref, rel=1e-5) and float(cost[b]) == pytest.approx(ref, rel=1e-5), (isa, b)
 
 
+@pytest.mark.parametrize("code", F.TWO_TABLE_CODES)
 @pytest.mark.parametrize("bits", [2, 3])
-def test_ldlq_code_2_walks_decode_to_what_it_reports(bits):
-    """Code 2 (two tables, layout 2): the packed walks decode (exl.format's reference) to exactly Result.q,
-    and the error is close to code 1's on the same matrix (within 10%)."""
+def test_ldlq_two_table_walks_decode_to_what_it_reports(bits, code):
+    """Codes 2 and 3 (two tables, layout 2): the packed walks decode (exl.format's reference) to exactly
+    Result.q, and the error is close to code 1's on the same matrix (within 10%)."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(48, 64, generator=g)
     u = torch.eye(64)
-    m1, m2 = F.TrellisMeta(bits, 12), F.TrellisMeta(bits, 12, code=F.CODE_TWO_TABLE)
+    m1, m2 = F.TrellisMeta(bits, 12), F.TrellisMeta(bits, 12, code=code)
     r1, r2 = T.ldlq(w, u, [m1, m2])
     t = {"trellis": r2.words, "tscale": r2.scales, "tmeta": m2.to_tensor(), "tcode": T.tables(m2)}
     assert torch.equal(F.trellis_decode(t), r2.q)

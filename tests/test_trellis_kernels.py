@@ -30,28 +30,28 @@ def isas():
     return build.load_cpu().isa_names()
 
 
-CODES = (F.CODE_LCG_BYTESUM, F.CODE_TWO_TABLE)
+CODES = (F.CODE_LCG_BYTESUM, F.CODE_TWO_TABLE, F.CODE_TWO_TABLE_64)
 
 
-def random_tables(g):
-    t = torch.randint(-128, 128, (2 * F.TWO_TABLE_SIZE,), generator=g, dtype=torch.int64)
+def random_tables(g, code=F.CODE_TWO_TABLE):
+    t = torch.randint(-128, 128, (2 * F.two_table_size(code),), generator=g, dtype=torch.int64)
     t[torch.randperm(t.numel(), generator=g)[:4]] = torch.tensor([-128, 127, -128, 127])
     return t.to(torch.int8)
 
 
 def random_trellis(n, k, bits, state_bits=16, *, bias=True, seed=0, mul=None, add=None, code=F.CODE_LCG_BYTESUM):
-    """A random layer; code 2 forces L = 12 (its only state size)."""
+    """A random layer; codes 2 and 3 force L = 12 (their only state size)."""
     g = torch.Generator().manual_seed(seed)
     kw = {} if mul is None else {"mul": mul, "add": add}
-    if code == F.CODE_TWO_TABLE:
+    if code in F.TWO_TABLE_CODES:
         state_bits, kw = F.TWO_TABLE_STATE_BITS, {}
     meta = F.TrellisMeta(bits, state_bits, code=code, **kw)
     words = torch.randint(-(2**31), 2**31, (n // 16, k // 16, meta.words_per_tile), generator=g, dtype=torch.int64)
     t = {"trellis": words.to(torch.int32), "tscale": (torch.rand(n, generator=g) * 1e-3 + 1e-4).half(),
          "tmeta": meta.to_tensor(), "su": F.pack_signs(torch.where(torch.rand(k, generator=g) < 0.5, -1, 1)),
          "sv": F.pack_signs(torch.where(torch.rand(n, generator=g) < 0.5, -1, 1))}
-    if code == F.CODE_TWO_TABLE:
-        t["tcode"] = random_tables(g)
+    if code in F.TWO_TABLE_CODES:
+        t["tcode"] = random_tables(g, code)
     if bias:
         t["bias"] = torch.randn(n, generator=g)
     return t
@@ -97,17 +97,18 @@ def test_decode_is_exact_for_every_k_l_and_isa(ext, bits):
             assert torch.equal(got, ref.float()), f"K={bits} L={L} isa={isa}"
 
 
+@pytest.mark.parametrize("code", F.TWO_TABLE_CODES)
 @pytest.mark.parametrize("bits", range(1, 8))
-def test_code2_decode_is_exact_for_every_k_and_isa(ext, bits):
+def test_two_table_decode_is_exact_for_every_k_and_isa(ext, bits, code):
     for n, k in ((48, 64), (16, 16), (80, 48)):  # N, K multiples of 16, not all of 64
-        t = random_trellis(n, k, bits, code=F.CODE_TWO_TABLE, seed=bits * 7 + n)
+        t = random_trellis(n, k, bits, code=code, seed=bits * 7 + n)
         ref = reference_values(t)
         for isa in isas():
             got = kernel(ext, t, isa).decode()
-            assert torch.equal(got, ref.float()), f"code 2 K={bits} {n}x{k} isa={isa}"
+            assert torch.equal(got, ref.float()), f"code {code} K={bits} {n}x{k} isa={isa}"
 
 
-@pytest.mark.parametrize("code,bits", [(1, b) for b in range(1, 9)] + [(2, b) for b in range(1, 8)])
+@pytest.mark.parametrize("code,bits", [(1, b) for b in range(1, 9)] + [(c, b) for c in (2, 3) for b in range(1, 8)])
 def test_forward_matches_reference_for_rows_and_prefill(ext, code, bits):
     t = random_trellis(64, 96, bits, 16 if bits % 2 else max(8, bits), seed=bits, code=code)
     g = torch.Generator().manual_seed(100 + bits)
@@ -189,9 +190,11 @@ def int8_check(y, x, t):
 
 @pytest.mark.parametrize("code,bits,n,k", [(1, 1, 64, 128), (1, 3, 64, 128), (1, 4, 64, 128), (1, 8, 64, 128),
                                            (2, 1, 64, 128), (2, 2, 80, 96), (2, 3, 48, 160), (2, 4, 64, 128),
-                                           (2, 5, 112, 32), (2, 7, 64, 128)])
+                                           (2, 5, 112, 32), (2, 7, 64, 128),
+                                           (3, 1, 64, 128), (3, 2, 80, 96), (3, 3, 48, 160), (3, 4, 64, 128),
+                                           (3, 5, 112, 32), (3, 6, 64, 64), (3, 7, 64, 128)])
 def test_int8_gemv_is_within_its_bound_and_the_same_bits_on_every_table(ext, code, bits, n, k):
-    # code 2 shapes: K a multiple of 32 but not of 64, tile-row counts that leave tails of the 4/2-row kernels
+    # two-table shapes: K a multiple of 32 but not of 64, tile-row counts that leave tails of the 4/2-row kernels
     t = random_trellis(n, k, bits, 16 if bits == 3 else 12, seed=40 + bits, bias=False, code=code)
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(bits))
     with_int8 = [isa for isa in isas() if kernel(ext, t, isa).has_int8]
@@ -206,7 +209,7 @@ def test_int8_gemv_is_within_its_bound_and_the_same_bits_on_every_table(ext, cod
         outs[isa] = full
     for isa, y in outs.items():
         assert torch.equal(y, outs["scalar"]), f"int8 GEMV of {isa} differs from the scalar table's"
-    if code == F.CODE_TWO_TABLE:  # the fast table has the int8 GEMV for code 2 (AVX-512 VBMI)
+    if code in F.TWO_TABLE_CODES:  # the fast table has the int8 GEMV for codes 2 and 3 (AVX-512 VBMI)
         assert "avx512vnni" not in isas() or "avx512vnni" in with_int8
     assert torch.equal(kernel(ext, t).forward(x[:3], "auto", 48, False),
                        kernel(ext, t).forward(x[:3], "int8" if kernel(ext, t).has_int8 else "fp32", 48, False))
@@ -252,15 +255,15 @@ def test_tables_are_required_for_code2_and_refused_for_code1(ext):
     t2 = random_trellis(32, 48, 3, code=F.CODE_TWO_TABLE)
     with pytest.raises(ValueError, match="code 2 layer needs its tables"):
         TrellisLinear({k: v for k, v in t2.items() if k != "tcode"})
-    with pytest.raises(ValueError, match=r"tcode must be int8 \[256\]"):
+    with pytest.raises(ValueError, match=r"must be int8 \[256\]"):
         TrellisLinear({**t2, "tcode": t2["tcode"].to(torch.int16)})
     t1 = random_trellis(32, 48, 3)
-    with pytest.raises(ValueError, match="tcode is only for code 2 layers; this layer is code 1"):
+    with pytest.raises(ValueError, match="tcode is only for code 2 and 3 layers; this layer is code 1"):
         TrellisLinear({**t1, "tcode": t2["tcode"]})
     a = (t2["trellis"], t2["tscale"], t2["tmeta"], t2["su"], t2["sv"])
     with pytest.raises(RuntimeError, match="needs its tables: pass tcode"):
         ext.TrellisLinearCPU(*a)
-    with pytest.raises(RuntimeError, match=r"tcode must be int8 \[256\]"):
+    with pytest.raises(RuntimeError, match=r"must be int8 \[256\]"):
         ext.TrellisLinearCPU(*a, tcode=t2["tcode"][:128])
     with pytest.raises(RuntimeError, match="tcode was given for a code 1 layer"):
         ext.TrellisLinearCPU(t1["trellis"], t1["tscale"], t1["tmeta"], t1["su"], t1["sv"], tcode=t2["tcode"])
@@ -268,3 +271,8 @@ def test_tables_are_required_for_code2_and_refused_for_code1(ext):
     bad[0] = 1  # code 2 in layout 1
     with pytest.raises(RuntimeError, match="layout version 1 with code 2"):
         ext.TrellisLinearCPU(a[0], a[1], bad, a[3], a[4], tcode=t2["tcode"])
+    t3 = random_trellis(32, 48, 3, code=F.CODE_TWO_TABLE_64)
+    with pytest.raises(ValueError, match=r"tcode of a code 3 layer must be int8 \[128\]"):
+        TrellisLinear({**t3, "tcode": t2["tcode"]})
+    with pytest.raises(RuntimeError, match=r"tcode of a code 3 layer must be int8 \[128\]"):
+        ext.TrellisLinearCPU(t3["trellis"], t3["tscale"], t3["tmeta"], t3["su"], t3["sv"], tcode=t2["tcode"])

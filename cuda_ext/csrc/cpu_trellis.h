@@ -17,7 +17,7 @@ struct TrellisLayer {
   const uint16_t* tscale;  // fp16 bits, [N]
   int64_t N, K;
   TrellisCode code;
-  // Code 2 only: the value of every state, int16 [2^L + 2] (the tail pads a 32-bit gather of the last
+  // Codes 2 and 3 only: the value of every state, int16 [2^L + 2] (the tail pads a 32-bit gather of the last
   // entry); built once per layer by the ops for tables that gather (AVX2), nullptr for code 1.
   const int16_t* codebook = nullptr;
 };
@@ -34,10 +34,10 @@ struct TrellisKernels {
   void (*decode)(const TrellisLayer&, int64_t i0, int64_t i1, float* out, int64_t ldo);
   // The GEMV with int8 activations (quantized per 32 channels as the scalar layers' int8 path, K a
   // multiple of 32): q [M, K] the int8 activations, qq [M, K] each of them repeated in the 4 bytes of
-  // an int32 (code 1 only; code 2 reads q, qq may be nullptr), d [M, K/32] the steps, bsum [M, K/32]
+  // an int32 (code 1 only; codes 2 and 3 read q, qq may be nullptr), d [M, K/32] the steps, bsum [M, K/32]
   // the sums of the int8 values per block. Per output and block of 32 channels the sum of value * q
   // is exact in int32 (code 1: (value + 510) * q by one vpdpbusd of x = A s + B's bytes against q per
-  // column, the byte sum and the product in one instruction, minus 510 * bsum; code 2: (T_a + 128) *
+  // column, the byte sum and the product in one instruction, minus 510 * bsum; codes 2, 3: (T_a + 128) *
   // q + (T_b + 128) * q by two vpdpbusd per 4 inputs, minus 256 * bsum); converted, times d, it is
   // added in fp32 block after block (order k = 0, 32, ...), then scaled. Bit for bit the same on
   // every table that has it (nullptr: none, use gemv).

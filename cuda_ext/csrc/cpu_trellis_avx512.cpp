@@ -10,7 +10,7 @@
 // exactly. Each value vector then meets each activation row with one fused multiply-add.
 // Port 0 is the limit (vpmulld is two of its uops, vpdpbusd one), so nothing else runs there.
 //
-// Code 2 (two tables, tile layout 2) has its own kernels (namespace two_table, cpu_trellis_two_table.inc):
+// Codes 2 and 3 (two tables, tile layout 2) have their own kernels (namespace two_table, cpu_trellis_two_table.inc):
 // no multiply, 64 weights (a quad-column: 16 outputs x 4 inputs) per step, already in vpdpbusd order.
 #include <string.h>
 
@@ -277,7 +277,7 @@ void gemv_q8_l(const TrellisLayer& T, const int32_t* qq, const float* d, const i
 
 void gemv_q8(const TrellisLayer& T, const int8_t* q8, const int32_t* qq, const float* d, const int32_t* bsum, int64_t M,
              float* y, int64_t ldy, int64_t i0, int64_t i1) {
-  if (T.code.code == kCodeTwoTable) return two_table::gemv_q8(T, q8, d, bsum, M, y, ldy, i0, i1);
+  if (is_two_table(T.code.code)) return two_table::gemv_q8(T, q8, d, bsum, M, y, ldy, i0, i1);
   switch (T.code.bits) {
     case 1: return gemv_q8_l<1>(T, qq, d, bsum, M, y, ldy, i0, i1);
     case 2: return gemv_q8_l<2>(T, qq, d, bsum, M, y, ldy, i0, i1);
@@ -291,7 +291,7 @@ void gemv_q8(const TrellisLayer& T, const int8_t* q8, const int32_t* qq, const f
 }
 
 void gemv(const TrellisLayer& T, const float* x, int64_t M, float* y, int64_t ldy, int64_t i0, int64_t i1) {
-  if (T.code.code == kCodeTwoTable) return two_table::gemv(T, x, M, y, ldy, i0, i1);
+  if (is_two_table(T.code.code)) return two_table::gemv(T, x, M, y, ldy, i0, i1);
   switch (T.code.bits) {
     case 1: return gemv_l<1>(T, x, M, y, ldy, i0, i1);
     case 2: return gemv_l<2>(T, x, M, y, ldy, i0, i1);
@@ -305,7 +305,7 @@ void gemv(const TrellisLayer& T, const float* x, int64_t M, float* y, int64_t ld
 }
 
 void decode(const TrellisLayer& T, int64_t i0, int64_t i1, float* out, int64_t ldo) {
-  if (T.code.code == kCodeTwoTable) return two_table::decode(T, i0, i1, out, ldo);
+  if (is_two_table(T.code.code)) return two_table::decode(T, i0, i1, out, ldo);
   switch (T.code.bits) {
     case 1: return decode_l<1>(T, i0, i1, out, ldo);
     case 2: return decode_l<2>(T, i0, i1, out, ldo);

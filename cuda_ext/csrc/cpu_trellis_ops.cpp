@@ -44,10 +44,10 @@ class TrellisLinearCPU : public LinearCPU {
                 tmeta.sizes());
     const auto meta = tmeta.to(at::kCPU).contiguous();
     const int32_t* mp = meta.data_ptr<int32_t>();
-    TORCH_CHECK(mp[3] == kCodeLcgByteSum || mp[3] == kCodeTwoTable, kWho, ": tmeta code id ", mp[3],
-                " is unknown (this exl knows codes 1 and 2); update exl");
-    TORCH_CHECK(mp[0] == mp[3], kWho, ": tmeta tile layout version ", mp[0], " with code ", mp[3],
-                " is not supported (this exl reads layout 1 with code 1 and layout 2 with code 2)");
+    TORCH_CHECK(mp[3] == kCodeLcgByteSum || is_two_table(mp[3]), kWho, ": tmeta code id ", mp[3],
+                " is unknown (this exl knows codes 1, 2 and 3); update exl");
+    TORCH_CHECK(mp[0] == (mp[3] == kCodeLcgByteSum ? 1 : 2), kWho, ": tmeta tile layout version ", mp[0], " with code ",
+                mp[3], " is not supported (this exl reads layout 1 with code 1 and layout 2 with codes 2 and 3)");
     code_.code = mp[3];
     code_.bits = mp[1];
     code_.state_bits = mp[2];
@@ -59,13 +59,16 @@ class TrellisLinearCPU : public LinearCPU {
     if (code_.code == kCodeLcgByteSum) {
       TORCH_CHECK(code_.mul & 1u, kWho, ": tmeta multiplier A must be odd");
       TORCH_CHECK(!tcode || !tcode->defined(), kWho,
-                  ": tcode was given for a code 1 layer (only code 2 has tables); drop the layer's tcode tensor");
+                  ": tcode was given for a code 1 layer (only codes 2 and 3 have tables); drop the layer's tcode tensor");
     } else {
-      TORCH_CHECK(code_.state_bits == 12 && code_.bits <= 7, kWho, ": code 2 needs L = 12 and bits <= 7, tmeta has L = ",
-                  code_.state_bits, ", bits = ", code_.bits);
-      TORCH_CHECK(tcode && tcode->defined(), kWho, ": a code 2 layer needs its tables: pass tcode (int8 [256])");
-      TORCH_CHECK(tcode->scalar_type() == at::kChar && tcode->dim() == 1 && tcode->size(0) == 2 * kTwoTableSize, kWho,
-                  ": tcode must be int8 [256] (T_a then T_b), got ", tcode->scalar_type(), " ", tcode->sizes());
+      const int size = 2 * two_table_size(code_.code);
+      TORCH_CHECK(code_.state_bits == 12 && code_.bits <= 7, kWho, ": code ", code_.code,
+                  " needs L = 12 and bits <= 7, tmeta has L = ", code_.state_bits, ", bits = ", code_.bits);
+      TORCH_CHECK(tcode && tcode->defined(), kWho, ": a code ", code_.code, " layer needs its tables: pass tcode (int8 [",
+                  size, "])");
+      TORCH_CHECK(tcode->scalar_type() == at::kChar && tcode->dim() == 1 && tcode->size(0) == size, kWho,
+                  ": tcode of a code ", code_.code, " layer must be int8 [", size, "] (T_a then T_b), got ",
+                  tcode->scalar_type(), " ", tcode->sizes());
       TORCH_CHECK(tcode->device().is_cpu(), kWho, " (CPU kernels): tcode must be on the CPU, got ", tcode->device());
       tcode_ = tcode->contiguous();
       code_.tables = tcode_.data_ptr<int8_t>();

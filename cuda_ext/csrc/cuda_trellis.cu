@@ -1,6 +1,6 @@
-// CUDA trellis kernels (docs/format.md §7): decode-and-dot GEMV (code 1: 1-8 activation rows, code 2:
-// 1-16) and tile dequantization (fp16, scale folded in) for the cuBLAS GEMM path. The state and code are
-// trellis_format.h's, the same functions the scalar CPU kernels run; code 2's tables are staged in
+// CUDA trellis kernels (docs/format.md §7): decode-and-dot GEMV (code 1: 1-8 activation rows, codes 2
+// and 3: 1-16) and tile dequantization (fp16, scale folded in) for the cuBLAS GEMM path. The state and code
+// are trellis_format.h's, the same functions the scalar CPU kernels run; the two-table codes' tables are staged in
 // shared memory. Launches go through EXL_LAUNCH so that the host harness (docs/cuda_host.md) runs this
 // same source.
 #include <cuda_fp16.h>
@@ -105,27 +105,30 @@ __global__ void trellis_gemv_kernel(TrellisDev T, const float* __restrict__ x, i
   }
 }
 
-// Code 2's value of a state (trellis_value, docs/format.md §7.3) in fewer steps: its indices
-// (a + b) mod 128 and (a - b) mod 128, a = s mod 128, b = (s >> 5) mod 128, are (s + (s >> 5)) mod 128
-// and (s - (s >> 5)) mod 128, as the low 7 bits of a sum or difference depend only on the operands'
-// low 7 bits. So the state's bits from bit 12 on may be anything.
+// A two-table code's value of a state (trellis_value, docs/format.md §7.3) in fewer steps. Code 2's
+// indices (a + b) mod 128 and (a - b) mod 128, a = s mod 128, b = (s >> 5) mod 128, are
+// (s + (s >> 5)) mod 128 and (s - (s >> 5)) mod 128, as the low 7 bits of a sum or difference depend
+// only on the operands' low 7 bits (code 3 likewise with 64 and s >> 6). So the state's bits from
+// bit 12 on may be anything.
+template <int C>
 __device__ __forceinline__ int two_table_value(uint32_t state, const int8_t* tables) {
-  const uint32_t b = state >> 5;
-  return int(tables[(state + b) & 127u]) + int(tables[kTwoTableSize + ((state - b) & 127u)]);
+  constexpr uint32_t n = two_table_size(C), m = n - 1u;
+  const uint32_t b = state >> two_table_shift(C);
+  return int(tables[(state + b) & m]) + int(tables[n + ((state - b) & m)]);
 }
 
-// Code 2 (layout 2), one warp per tile row (16 outputs) and K-slice. Lane l decodes weights
+// Codes 2 and 3 (layout 2; C the code), one warp per tile row (16 outputs) and K-slice. Lane l decodes weights
 // t = 8l .. 8l+7 of every tile of its slice: two quads, each 4 consecutive inputs 16j + 4(l div 8) .. +3
 // of one output, outputs 2(l mod 8) (t = 8l .. 8l+3) and 2(l mod 8) + 1 (t = 8l+4 .. 8l+7). Their
 // 12-bit windows lie in the 3 words from bit 8lK on (K <= 7: the window starts at most 24 bits into
-// the first word and ends by bit 24 + 7K + 12 <= 85). T_a and T_b are 32 shared-memory words each,
-// one per bank, so the lookups never conflict. Each row's sums run in the same order whatever M is
+// the first word and ends by bit 24 + 7K + 12 <= 85). Code 2's T_a and T_b are 32 shared-memory words
+// each (code 3's 16), one per bank, so the lookups never conflict. Each row's sums run in the same order whatever M is
 // (batch invariance); the partial sums of the 4 lanes with the same l mod 8 are added at the end.
-template <int MR>
+template <int MR, int C>
 __global__ void two_table_gemv_kernel(TrellisDev T, const float* __restrict__ x, int M, float* __restrict__ z,
                                       int64_t slice_tiles, float* __restrict__ partial) {
   __shared__ int8_t tables[2 * kTwoTableSize];
-  for (int e = threadIdx.x; e < 2 * kTwoTableSize; e += blockDim.x) tables[e] = T.code.tables[e];
+  for (int e = threadIdx.x; e < 2 * two_table_size(C); e += blockDim.x) tables[e] = T.code.tables[e];
   __syncthreads();
   const int lane = threadIdx.x & 31;
   const int64_t i = int64_t(blockIdx.x) * kTrellisWarps + (threadIdx.x >> 5);
@@ -148,7 +151,7 @@ __global__ void two_table_gemv_kernel(TrellisDev T, const float* __restrict__ x,
     float v[8];
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
-      v[r] = float(two_table_value(state, tables));
+      v[r] = float(two_table_value<C>(state, tables));
       state = __funnelshift_r(state, rest, K);
       rest >>= K;
     }
@@ -188,7 +191,7 @@ __global__ void two_table_gemv_kernel(TrellisDev T, const float* __restrict__ x,
 
 // The walk index (0..255) of the weight at row r, column c of a tile: the inverse of trellis_row/col.
 __device__ __forceinline__ int walk_index(int r, int c, const TrellisCode& code) {
-  return code.code == kCodeTwoTable ? 64 * (c >> 2) + 4 * r + (c & 3) : 16 * c + r;
+  return is_two_table(code.code) ? 64 * (c >> 2) + 4 * r + (c & 3) : 16 * c + r;
 }
 
 // One block of 256 threads per tile: thread p writes row p div 16, column p mod 16 of the tile (16 threads
@@ -201,8 +204,8 @@ __global__ void trellis_dequant_kernel(TrellisDev T, int64_t i0, __half* __restr
   const int n = tile_words(T.code.bits), p = threadIdx.x;
   if (p < n) words[p] = T.words[(i * kt + j) * n + p];
   TrellisCode code = T.code;
-  if (code.code == kCodeTwoTable) {
-    tables[p] = code.tables[p];  // 256 threads, 256 table bytes
+  if (is_two_table(code.code)) {
+    if (p < 2 * two_table_size(code.code)) tables[p] = code.tables[p];  // 256 threads, at most 256 table bytes
     code.tables = tables;
   }
   __syncthreads();
@@ -210,6 +213,22 @@ __global__ void trellis_dequant_kernel(TrellisDev T, int64_t i0, __half* __restr
   const int64_t row = i * kTile + r;
   const float v = code_value(trellis_state(words, walk_index(r, c, code), code), code);
   out[(row - i0 * kTile) * T.K + j * kTile + c] = __float2half_rn(v * __half2float(T.tscale[row]));
+}
+
+template <int C>
+void launch_two_table(dim3 grid, dim3 block, cudaStream_t stream, const TrellisDev& T, const float* x, int M, float* z,
+                      int64_t st, float* partial) {
+  switch (M) {
+    case 1: EXL_LAUNCH(grid, block, 0, stream, two_table_gemv_kernel<1, C>)(T, x, M, z, st, partial); break;
+    case 2: EXL_LAUNCH(grid, block, 0, stream, two_table_gemv_kernel<2, C>)(T, x, M, z, st, partial); break;
+    case 3:
+    case 4: EXL_LAUNCH(grid, block, 0, stream, two_table_gemv_kernel<4, C>)(T, x, M, z, st, partial); break;
+    case 5:
+    case 6:
+    case 7:
+    case 8: EXL_LAUNCH(grid, block, 0, stream, two_table_gemv_kernel<8, C>)(T, x, M, z, st, partial); break;
+    default: EXL_LAUNCH(grid, block, 0, stream, two_table_gemv_kernel<16, C>)(T, x, M, z, st, partial); break;
+  }
 }
 
 }  // namespace
@@ -221,18 +240,10 @@ void launch_trellis_gemv(const TrellisDev& T, const float* x, int M, float* z, f
   const dim3 grid(unsigned((tiles + kTrellisWarps - 1) / kTrellisWarps), unsigned(split.count)),
       block(32 * kTrellisWarps);
   const int64_t st = split.tiles;
-  if (T.code.code == kCodeTwoTable) {
-    switch (M) {
-      case 1: EXL_LAUNCH(grid, block, 0, stream, two_table_gemv_kernel<1>)(T, x, M, z, st, partial); break;
-      case 2: EXL_LAUNCH(grid, block, 0, stream, two_table_gemv_kernel<2>)(T, x, M, z, st, partial); break;
-      case 3:
-      case 4: EXL_LAUNCH(grid, block, 0, stream, two_table_gemv_kernel<4>)(T, x, M, z, st, partial); break;
-      case 5:
-      case 6:
-      case 7:
-      case 8: EXL_LAUNCH(grid, block, 0, stream, two_table_gemv_kernel<8>)(T, x, M, z, st, partial); break;
-      default: EXL_LAUNCH(grid, block, 0, stream, two_table_gemv_kernel<16>)(T, x, M, z, st, partial); break;
-    }
+  if (T.code.code == kCodeTwoTable64) {
+    launch_two_table<kCodeTwoTable64>(grid, block, stream, T, x, M, z, st, partial);
+  } else if (T.code.code == kCodeTwoTable) {
+    launch_two_table<kCodeTwoTable>(grid, block, stream, T, x, M, z, st, partial);
   } else {
     switch (M) {
       case 1: EXL_LAUNCH(grid, block, 0, stream, trellis_gemv_kernel<1>)(T, x, M, z, st, partial); break;

@@ -14,15 +14,15 @@ struct TrellisDev {
   const uint32_t* words;  // [N/16, K/16, 8*bits]
   const __half* tscale;   // [N]
   int64_t N, K;
-  TrellisCode code;       // code 2: code.tables = the layer's tcode (int8 [256], device memory)
+  TrellisCode code;       // codes 2, 3: code.tables = the layer's tcode (int8 [256] / [128], device memory)
 };
 
 constexpr int kMaxTrellisGemvRows = 8;    // code 1: 8 rows x 8 outputs of accumulators per lane
-constexpr int kMaxTwoTableGemvRows = 16;  // code 2: 16 rows x 2 outputs per lane
+constexpr int kMaxTwoTableGemvRows = 16;  // codes 2, 3: 16 rows x 2 outputs per lane
 
 // The most activation rows one GEMV launch takes for this layer's code.
 inline int max_trellis_gemv_rows(const TrellisCode& c) {
-  return c.code == kCodeTwoTable ? kMaxTwoTableGemvRows : kMaxTrellisGemvRows;
+  return is_two_table(c.code) ? kMaxTwoTableGemvRows : kMaxTrellisGemvRows;
 }
 
 // The GEMV's K split: one warp per 16 outputs and K-slice of `tiles` tiles (the last may be shorter),

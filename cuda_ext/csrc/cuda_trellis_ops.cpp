@@ -35,30 +35,32 @@ class TrellisLinearCUDA {
     TORCH_CHECK(tmeta.scalar_type() == torch::kInt32 && tmeta.numel() == 6, kWho, ": tmeta must be int32 [6]");
     const auto meta = tmeta.to(torch::kCPU).contiguous();
     const int32_t* mp = meta.data_ptr<int32_t>();
-    TORCH_CHECK((mp[0] == 1 && mp[3] == kCodeLcgByteSum) || (mp[0] == 2 && mp[3] == kCodeTwoTable), kWho,
+    TORCH_CHECK((mp[0] == 1 && mp[3] == kCodeLcgByteSum) || (mp[0] == 2 && is_two_table(mp[3])), kWho,
                 ": tmeta layout version ", mp[0], " / code ", mp[3],
-                " unsupported (this exl reads version 1 with code 1 and version 2 with code 2, docs/format.md §7)");
+                " unsupported (this exl reads version 1 with code 1 and version 2 with codes 2 and 3, docs/format.md §7)");
     dev_.code = TrellisCode{mp[1], mp[2], uint32_t(mp[4]), uint32_t(mp[5]), mp[3]};
-    const bool two_table = dev_.code.code == kCodeTwoTable;
+    const bool two_table = is_two_table(dev_.code.code);
     TORCH_CHECK(dev_.code.bits >= 1 && dev_.code.bits <= 8 && dev_.code.state_bits >= std::max(8, dev_.code.bits) &&
                     dev_.code.state_bits <= 16 && (two_table || (dev_.code.mul & 1u)),
                 kWho, ": bad tmeta (bits ", dev_.code.bits, ", state bits ", dev_.code.state_bits, ")");
     TORCH_CHECK(!two_table || (dev_.code.state_bits == 12 && dev_.code.bits <= 7), kWho,
-                ": trellis code 2 needs L = 12 state bits and K <= 7 bits per weight, got L = ", dev_.code.state_bits,
+                ": trellis code ", dev_.code.code, " needs L = 12 state bits and K <= 7 bits per weight, got L = ", dev_.code.state_bits,
                 ", K = ", dev_.code.bits);
     TORCH_CHECK(trellis.size(2) == tile_words(dev_.code.bits), kWho, ": trellis has ", trellis.size(2),
                 " words per tile, ", dev_.code.bits, "-bit tiles need ", tile_words(dev_.code.bits));
     const bool has_tcode = tcode && tcode->defined();
     if (two_table) {
-      TORCH_CHECK(has_tcode, kWho, ": a code 2 layer needs its tables: pass tcode (the layer's int8 [256] P.tcode)");
-      TORCH_CHECK(tcode->scalar_type() == torch::kInt8 && tcode->numel() == 2 * kTwoTableSize, kWho,
-                  ": tcode must be int8 [", 2 * kTwoTableSize, "], got ", tcode->scalar_type(), " ", tcode->sizes());
+      const int size = 2 * two_table_size(dev_.code.code);
+      TORCH_CHECK(has_tcode, kWho, ": a code ", dev_.code.code, " layer needs its tables: pass tcode (the layer's int8 [",
+                  size, "] P.tcode)");
+      TORCH_CHECK(tcode->scalar_type() == torch::kInt8 && tcode->numel() == size, kWho, ": tcode of a code ",
+                  dev_.code.code, " layer must be int8 [", size, "], got ", tcode->scalar_type(), " ", tcode->sizes());
       TORCH_CHECK(tcode->device() == trellis.device(), kWho, ": tcode is on ", tcode->device(),
                   ", the layer (trellis) on ", trellis.device(), "; move it there");
       tcode_ = tcode->contiguous();
     } else {
       TORCH_CHECK(!has_tcode, kWho, ": tcode given for a code ", dev_.code.code,
-                  " layer; only code 2 has tables (leave tcode unset)");
+                  " layer; only codes 2 and 3 have tables (leave tcode unset)");
     }
     dev_.N = trellis.size(0) * kTile;
     dev_.K = trellis.size(1) * kTile;

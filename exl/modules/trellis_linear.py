@@ -27,8 +27,8 @@ from exl.modules.quant_linear import KernelLinear, _default_exact
 # the int8 GEMV costs more per extra row than the fp32 one (one vpdpbusd per row and column on port 0)
 GEMM_MIN_ROWS_INT8 = 17
 GEMM_MIN_ROWS_EXACT = 32
-# code 2's int8 GEMV decodes without multiplies; each extra row is two vpdpbusd per 64 weights, so it beats the
-# GEMM up to about 64 rows (docs/benchmarks.md, "Trellis-coded layers")
+# the two-table codes' int8 GEMV decodes without multiplies; each extra row is two vpdpbusd per 64 weights, so it
+# beats the GEMM up to about 64 rows (docs/benchmarks.md, "Trellis-coded layers")
 GEMM_MIN_ROWS_INT8_TWO_TABLE = 64
 
 
@@ -37,13 +37,13 @@ class TrellisLinear(KernelLinear):
 
     Args:
         tensors: the layer's tensors keyed by the format's names without prefix: `trellis`, `tscale`,
-            `tmeta`, `su`, `sv`, `tcode` (int8 [256], code 2 only: required there, refused for code 1), and
+            `tmeta`, `su`, `sv`, `tcode` (int8 [256] for code 2, [128] for code 3: required there, refused for code 1), and
             optionally `bias`.
         exact: CPU only. False (default; env EXL_CPU_EXACT=1 flips it): the GEMV multiplies int8
             activations (per 32 channels, as QuantLinear's int8 path; about 0.5% RMS relative output
             error) on the AVX-512 table, fp32 elsewhere; True: fp32 activations throughout.
         gemm_min_rows: CPU only. From this many input rows on, use tile decode + BLAS GEMM (rows
-            below it take the batch-invariant GEMV). Default 17 (int8; 64 for code 2), 32 (exact).
+            below it take the batch-invariant GEMV). Default 17 (int8; 64 for codes 2 and 3), 32 (exact).
     """
 
     REQUIRED = ("trellis", "tscale", "tmeta", "su", "sv")
@@ -60,7 +60,7 @@ class TrellisLinear(KernelLinear):
                              f"{words.dtype} {list(words.shape)}")
         F.check_tables(self.meta, tensors.get("tcode"), "TrellisLinear")
         self.exact = _default_exact() if exact is None else exact
-        int8_rows = GEMM_MIN_ROWS_INT8_TWO_TABLE if self.meta.code == F.CODE_TWO_TABLE else GEMM_MIN_ROWS_INT8
+        int8_rows = GEMM_MIN_ROWS_INT8_TWO_TABLE if self.meta.code in F.TWO_TABLE_CODES else GEMM_MIN_ROWS_INT8
         self.gemm_min_rows = gemm_min_rows or (GEMM_MIN_ROWS_EXACT if self.exact else int8_rows)
 
     def extra_repr(self) -> str:
@@ -72,5 +72,5 @@ class TrellisLinear(KernelLinear):
             raise RuntimeError(f"TrellisLinear: the installed exl extension has no {cls} (it predates trellis layers); "
                                "rebuild it (`EXL_BUILD_EXT=1 pip install .`, or remove the prebuilt cuda_ext/_exl_*.so)")
         t = self.tensors()
-        tables = {"tcode": t["tcode"]} if "tcode" in t else {}  # code 2 only
+        tables = {"tcode": t["tcode"]} if "tcode" in t else {}  # codes 2 and 3 only
         return getattr(ext, cls)(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], t.get("bias"), **tables)

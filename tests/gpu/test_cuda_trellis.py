@@ -48,9 +48,9 @@ def test_dequant_exact_and_forward_paths(ext, name, t):
         assert_rel_close(got, trellis_reference(x, t), tol, f"{name} {path} m={m}")
 
 
-@pytest.mark.parametrize("code", [1, 2])
+@pytest.mark.parametrize("code", [1, 2, 3])
 def test_gemv_batch_invariant(ext, code):
-    t = random_two_table(576, 576, 3, seed=9) if code == 2 else random_trellis(576, 576, 3, 16, seed=9)
+    t = random_two_table(576, 576, 3, seed=9, code=code) if code in F.TWO_TABLE_CODES else random_trellis(576, 576, 3, 16, seed=9)
     lay = layer(ext, t)
     rows = lay.gemv_max_rows
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(code)).half().cuda()
@@ -59,10 +59,11 @@ def test_gemv_batch_invariant(ext, code):
         assert torch.equal(lay.forward(x[:m], "auto"), full[:m]), f"m={m}"
 
 
-def test_two_table_large_layer(ext):
+@pytest.mark.parametrize("code", (2, 3))
+def test_two_table_large_layer(ext, code):
     """A SmolLM2 MLP shape (1536 x 576) with the quantizer's tables: many blocks, long K loops."""
-    t = random_two_table(1536, 576, 2, seed=4)
-    t["tcode"] = F.two_table_default()
+    t = random_two_table(1536, 576, 2, seed=4, code=code)
+    t["tcode"] = F.two_table_default(code)
     lay = layer(ext, t)
     x = torch.randn(7, 576, generator=torch.Generator().manual_seed(4)).half()
     assert_rel_close(lay.forward(x.cuda(), "gemv"), trellis_reference(x, t), 3e-3, "gemv")
