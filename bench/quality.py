@@ -269,13 +269,14 @@ def trellis_run(args) -> dict:
             if codes == "trellis" and b == 2.0:
                 results["chat_trellis_2.0"] = chat_sample(folder)
             gc.collect()
-    for b in [float(x) for x in args.sizes.split(",")]:  # earlier conversions with code 1 everywhere, if kept
-        folder = root() / "quality" / f"trellis-{b}-code1"
-        if (folder / "quantization_report.json").is_file():
-            rep = report_of(folder)
-            r = cached_eval(folder, ev, lambda: ev.evaluate(exl_logits(folder), "exl", batch=4))
-            results["rows"].append(dict(kind="trellis-code1", label=folder.name, target=b, bpw=rep["measured_bpw"], **r,
-                                        predicted_kl=rep["predicted_kl"], settings={}))
+    for b in [float(x) for x in args.sizes.split(",")]:  # earlier conversions (code 1 everywhere; code 2), if kept
+        for earlier in EARLIER_CODES:
+            folder = root() / "quality" / f"trellis-{b}-{earlier}"
+            if (folder / "quantization_report.json").is_file():
+                rep = report_of(folder)
+                r = cached_eval(folder, ev, lambda: ev.evaluate(exl_logits(folder), "exl", batch=4))
+                results["rows"].append(dict(kind=f"trellis-{earlier}", label=folder.name, target=b,
+                                            bpw=rep["measured_bpw"], **r, predicted_kl=rep["predicted_kl"], settings={}))
     return results
 
 
@@ -341,6 +342,10 @@ def _trellis_measure_note(setup: dict) -> str:
     return f" Trellis measurement: {', '.join(parts)}."
 
 
+# earlier trellis conversions kept beside the default ones: folder suffix -> what they used
+EARLIER_CODES = {"code1": "code 1 for every K_b", "code2": "code 2 (128-entry tables) for K_b ≤ 4, the default before code 3"}
+
+
 def trellis_markdown(results: dict) -> str:
     s = results["setup"]
     by = {(r["kind"], r.get("target")): r for r in results["rows"]}
@@ -350,25 +355,28 @@ def trellis_markdown(results: dict) -> str:
              "exl's runtime (TrellisLinear / QuantLinear); each kind measured once, every size converted from that "
              "measurement. bpw: decoder linear layers, every stored bit." + _trellis_measure_note(s), "",
              "| target bpw | scalar bpw | scalar ppl | scalar KLD | trellis bpw | trellis ppl | trellis KLD | "
-             "scalar / trellis KLD | targets | trellis with code 1 only: KLD (scalar / it) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "scalar / trellis KLD | targets | trellis with code 1 only: KLD (scalar / it) | "
+             "trellis with code 2: KLD (scalar / it) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for b in TRELLIS_SIZES:
-        sc, tr, c1 = by.get(("scalar", b)), by.get(("trellis", b)), by.get(("trellis-code1", b))
+        sc, tr = by.get(("scalar", b)), by.get(("trellis", b))
         if not (sc and tr):
             continue
         ratio = sc["kld"] / tr["kld"]
         notes = ["≥ 2× lower: " + ("met" if ratio >= 2 else "MISSED")]
         if b == 3.0:
             notes.append(f"≤ scalar 4.0 ({TARGET_SCALAR_4}): " + ("met" if tr["kld"] <= TARGET_SCALAR_4 else "MISSED"))
-        code1 = f"{c1['kld']:.4f} ({sc['kld'] / c1['kld']:.2f})" if c1 else ""
+        earlier = [by.get((f"trellis-{e}", b)) for e in EARLIER_CODES]
+        cols = " | ".join(f"{e['kld']:.4f} ({sc['kld'] / e['kld']:.2f})" if e else "" for e in earlier)
         lines.append(f"| {b} | {sc['bpw']:.3f} | {sc['ppl']:.3f} | {sc['kld']:.4f} | {tr['bpw']:.3f} | {tr['ppl']:.3f} "
-                     f"| {tr['kld']:.4f} | {ratio:.2f} | {'; '.join(notes)} | {code1} |")
-    if any(r["kind"] == "trellis-code1" for r in results["rows"]):
-        lines += ["", "The trellis rows use exl's default codes: code 2 (two tables; fast to decode) for K_b ≤ 4, code 1 "
-                  "above (docs/format.md §7.3). The last column: the earlier conversions with code 1 for every K_b."]
+                     f"| {tr['kld']:.4f} | {ratio:.2f} | {'; '.join(notes)} | {cols} |")
+    if any(r["kind"].startswith("trellis-code") for r in results["rows"]):
+        lines += ["", "The trellis rows use exl's default codes: code 3 (two 64-entry tables; fastest to decode) for "
+                  "K_b ≤ 4, code 1 above (docs/format.md §7.3). The last columns: earlier conversions of the same sizes, "
+                  + "; ".join(EARLIER_CODES.values()) + "."]
     lines += ["", "| model | predicted ΔKL | KLD / predicted | conversion (s) | settings chosen |", "|---|---|---|---|---|"]
     for r in results["rows"][1:]:
-        if r["kind"] == "trellis-code1":
+        if r["kind"].startswith("trellis-code"):
             continue
         conv = f"{r['convert_s']:.0f}" + (" (-m)" if r.get("reused") else "") if r.get("convert_s") else ""
         sets = ", ".join(f"{k}×{v}" for k, v in sorted(r["settings"].items()))
