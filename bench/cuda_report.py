@@ -44,9 +44,9 @@ KERNELS = {
         "adds the slices) loops over its tiles (b·32 B each, one coalesced load, "
         "words passed by shuffles); lane l decodes 8 weights of input 16j + l/2 (a multiply-add and a byte sum "
         "each) into MR·8 fp32 accumulators; x (fp32) read through L1", "b/8 + 2/16 read per weight and row group")),
-    "two_table_gemv_kernel<MR>": dict(threads=128, dyn_smem=0, pattern=(
-        "trellis code 2: one warp per 16 outputs and K-slice (as code 1) loops over its tiles; lane l decodes "
-        "8 weights (2 outputs x 4 inputs, two shared-memory table lookups each, 256 B of tables per block) and "
+    "two_table_gemv_kernel<MR, C>": dict(threads=128, dyn_smem=0, pattern=(
+        "trellis codes 2 and 3: one warp per 16 outputs and K-slice (as code 1) loops over its tiles; lane l decodes "
+        "8 weights (2 outputs x 4 inputs, two shared-memory table lookups each, 256 / 128 B of tables per block) and "
         "does MR float4 x loads and 8·MR FMAs", "b/8 + 2/16 read per weight and row group")),
     "split_sum_kernel": dict(threads=256, dyn_smem=0, pattern=(
         "one thread per (row, output): adds the trellis GEMV's S slice sums in order, scales", "4S read, 4 written")),

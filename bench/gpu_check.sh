@@ -5,7 +5,7 @@
 # JSON line:
 #   {"ok", "device", "torch", "seconds", "tests": {passed, failed, errors, skipped},
 #    "gemv": {gbs, fraction_of_copy, fraction_of_spec, ...}, "trellis_gemv": ["NxK cC KB: GB/s", ...] (one-row
-#    trellis GEMV, codes 1 and 2), "bench": {pp512, tg128}, "serve": {decode_tok_s, ...},
+#    trellis GEMV, codes 1, 2 and 3), "bench": {pp512, tg128}, "serve": {decode_tok_s, ...},
 #    "failed_steps": [...]}
 #
 #   bash bench/gpu_check.sh --gguf PATH [--wheels DIR] [--work DIR]
