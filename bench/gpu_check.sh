@@ -105,7 +105,7 @@ step "tests" 300 $PY -m pytest -q -p no:cacheprovider -m "(gpu or kernels) and n
 
 # -- 4. decode GEMV against the device's bandwidth ------------------------------------------------------------
 if [ "$DRY" = 1 ]; then GEMV_ARGS=(--shapes 576x576,49152x576); else GEMV_ARGS=(--cuda); fi
-step "gemv bandwidth" 120 sh -c "$PY bench/kernels.py --json ${GEMV_ARGS[*]} >'$OUT/gemv.json'"
+step "gemv bandwidth" 120 sh -c "$PY bench/kernel_speed.py --json ${GEMV_ARGS[*]} >'$OUT/gemv.json'"
 
 # -- 5. pp512 / tg128 and one `exl serve` stream on the 4.0 bpw model ------------------------------------------
 if [ -n "$MODEL" ] && [ -f "$MODEL/config.json" ]; then

@@ -32,12 +32,12 @@ import time
 from pathlib import Path
 
 import torch
-from exl.threads import fix_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import exl  # noqa: E402
+from exl.threads import fix_threads  # noqa: E402
 from exl.assets import cache_dir, smollm2_dir  # noqa: E402
 from exl.eval import windows  # noqa: E402
 from exl.tokenizer import Tokenizer  # noqa: E402
@@ -575,6 +575,62 @@ def cached_trellis_rows(ev: Evaluator) -> list[dict]:
     return rows
 
 
+# Peer tools take hours on this CPU (GPTQ 1-2 h per width, AutoRound ~1 h), so every peer row and the exl rows
+# made at its size are kept in PEER_RECORD (committed). A run quantizes only --peer-tools and takes the other
+# tools' rows from the record, marked with the date they were measured; the evaluation is deterministic (same
+# model, text, windows and runtime), and the record is used only where its reference perplexity matches.
+PEER_RECORD = Path(__file__).resolve().parent / "results" / "peers.json"
+
+
+def peer_record() -> dict:
+    return json.loads(PEER_RECORD.read_text()) if PEER_RECORD.is_file() else {"rows": []}
+
+
+def save_peer_record(results: dict) -> None:
+    """Put this run's peer and exl rows into PEER_RECORD (replacing rows of the same label)."""
+    rec = peer_record()
+    s = results["setup"]
+    rec.update(windows=s["windows"], ctx=s["ctx"], reference_ppl=round(results["rows"][0]["ppl"], 3))
+    fresh = {r["label"]: r for r in results["rows"] if r["kind"] != "reference" and not r.get("recorded")}
+    keep = [r for r in rec["rows"] if r["label"] not in fresh]
+    day = time.strftime("%Y-%m-%d")
+    new = [{k: v for k, v in dict(r, date=day, load=s["load"][0]).items()
+            if k in ("kind", "label", "tool", "bits", "group", "target", "bpw", "ppl", "kld", "version", "seconds",
+                     "peer_threads", "convert_s", "date", "load")} for r in fresh.values()]
+    rec["rows"] = sorted(keep + new, key=lambda r: (r["kind"], r["label"]))
+    PEER_RECORD.parent.mkdir(parents=True, exist_ok=True)
+    PEER_RECORD.write_text(json.dumps(rec, indent=1) + "\n")
+
+
+def recorded_rows(ev_setup: dict, ref_ppl: float, kind: str, labels) -> list[dict]:
+    """Rows of `kind` for these labels from PEER_RECORD, if it was made with this evaluation."""
+    rec = peer_record()
+    if (rec.get("windows"), rec.get("ctx")) != (ev_setup["windows"], ev_setup["ctx"]) \
+            or abs(rec.get("reference_ppl", 0) - ref_ppl) > 2e-3:
+        if rec["rows"]:
+            print(f"{PEER_RECORD}: made with another evaluation (reference ppl {rec.get('reference_ppl')}), not used")
+        return []
+    return [dict(r, recorded=r["date"]) for r in rec["rows"] if r["kind"] == kind and r["label"] in labels]
+
+
+def exl_at_sizes(rot: Path, ev: Evaluator, kind: str, sizes, measurement: Path | None, opts: dict) -> list[dict]:
+    """exl converted at each size in `sizes` with `opts`, from `measurement` (-m); with none, the first size
+    measures (in a work folder) and the others reuse its measurement.json."""
+    rows = []
+    for b in sizes:
+        label = f"{kind.split()[-1]}-{b:g}"
+        work = root() / "quality" / f"work-{label}" if measurement is None else None
+        folder = exl_model(rot, label, b, measurement, False, work=work, **opts)
+        measurement = measurement or folder / "measurement.json"
+        rep = report_of(folder)
+        r = cached_eval(folder, ev, lambda: ev.evaluate(exl_logits(folder), "exl", batch=4))
+        rows.append(dict(kind=kind, label=label, target=b, bpw=rep["measured_bpw"], **r,
+                         convert_s=rep.get("timings", {}).get("total"), measurement=str(measurement)))
+        print(f"{label}: {rep['measured_bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f}", flush=True)
+        gc.collect()
+    return rows
+
+
 def peers_run(args) -> dict:
     fix_threads(args.threads)
     os.environ["EXL_THREADS"] = str(args.threads)
@@ -589,9 +645,8 @@ def peers_run(args) -> dict:
     results["rows"].append(dict(kind="reference", label="exl float32", bpw=32.0, **ref))
     print(f"reference: ppl {ref['ppl']:.3f} ({time.time() - t:.0f} s)", flush=True)
     venvs = Path(args.peer_venvs).expanduser()
-    wanted = [p for p in PEERS if p[0] in args.peer_tools.split(",")]
-    scalar_m = root() / "quality" / "exl-4.0" / "measurement.json"
-    for tool, bits, group in wanted:
+    tools = args.peer_tools.split(",") if args.peer_tools else []
+    for tool, bits, group in (p for p in PEERS if p[0] in tools):
         label = f"{tool}-{bits}b-g{group}"
         if args.peer_cached_only and not (peers_root() / label / "peer.json").is_file():
             results["failed"].append({"label": label, "error": "not in the cache (--peer-cached-only): not run"})
@@ -610,24 +665,27 @@ def peers_run(args) -> dict:
                                     peer_threads=meta["threads"], **r))
         print(f"{label}: {meta['bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f}", flush=True)
         gc.collect()
-    for b in sorted({round(r["bpw"], 4) for r in results["rows"] if r["kind"] == "peer"}):
-        for kind, m, opts in (("exl scalar", scalar_m, {"codes": "scalar"}),
-                              ("exl trellis", args.peer_trellis_measurement, {"codes": "trellis"})):
-            if not m:
-                continue
-            label = f"scalar-{b:g}" if kind == "exl scalar" else f"trellis-{b:g}"
-            if args.peer_cached_only and not (root() / "quality" / label / "quantization_report.json").is_file():
-                continue
-            folder = exl_model(rot, label, b, Path(m).expanduser(), args.fresh, **opts)
-            rep = report_of(folder)
-            r = cached_eval(folder, ev, lambda: ev.evaluate(exl_logits(folder), "exl", batch=4))
-            results["rows"].append(dict(kind=kind, label=label, target=b, bpw=rep["measured_bpw"], **r,
-                                        convert_s=rep.get("timings", {}).get("total")))
-            print(f"{label}: {rep['measured_bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f}", flush=True)
-            gc.collect()
-    if not args.peer_trellis_measurement:
-        results["rows"] += cached_trellis_rows(ev)
+    others = [f"{tool}-{bits}b-g{group}" for tool, bits, group in PEERS if tool not in tools]
+    results["rows"] += recorded_rows(results["setup"], ref["ppl"], "peer", others)
+    sizes = sorted({round(r["bpw"], 4) for r in results["rows"] if r["kind"] == "peer" and not r.get("recorded")})
+    if sizes and not args.peer_cached_only:
+        main_m = root() / "quality" / "exl-4.0" / "measurement.json"
+        scalar_m = Path(args.scalar_measurement).expanduser() if args.scalar_measurement else \
+            main_m if main_m.is_file() else None
+        results["rows"] += exl_at_sizes(rot, ev, "exl scalar", sizes, scalar_m, {"codes": "scalar"})
+        if args.peer_trellis:
+            trellis_m = Path(args.trellis_measurement).expanduser() if args.trellis_measurement else None
+            extra = {k: v for k, v in (("measure_rows", args.trellis_measure_rows), ("trellis_bits", args.trellis_bits))
+                     if v is not None}
+            results["rows"] += exl_at_sizes(rot, ev, "exl trellis", sizes, trellis_m, {"codes": "trellis", **extra})
+    done = {r["label"] for r in results["rows"]}
+    recorded_sizes = sorted({round(r["bpw"], 4) for r in results["rows"] if r.get("recorded")})
+    results["rows"] += [r for r in recorded_rows(results["setup"], ref["ppl"], "exl scalar",
+                                                 {f"scalar-{b:g}" for b in recorded_sizes}) if r["label"] not in done]
+    results["rows"] += [r for r in cached_trellis_rows(ev) if r["label"] not in done]
     results["setup"]["load_end"] = os.getloadavg()
+    if not args.peer_cached_only:
+        save_peer_record(results)
     return results
 
 
@@ -644,16 +702,19 @@ def peers_markdown(results: dict) -> str:
     scalar |= {r["target"]: r for r in rows if r["kind"] == "exl scalar"}  # converted at the peer's bpw
     trellis = sorted((r for r in rows if r["kind"] == "exl trellis"), key=lambda r: r["bpw"])
     versions = ", ".join(sorted({r["version"] for r in peers}))
+    fresh = [r for r in peers if not r.get("recorded")]
+    ran = (f"this run's peers ran with {fresh[0]['peer_threads']} threads" if fresh else "no peer ran in this run")
     lines = [f"Generated by `python bench/quality.py --peers` ({s['windows']} windows of {s['ctx']} tokens of the Python "
              f"docs topics, exl float32 reference ppl {ref['ppl']:.3f}; {s['threads']} thread(s), load average "
-             f"{s['load'][0]:.1f} at the start). Peers ({versions}) ran on the CPU in their own venvs with "
-             f"{peers[0]['peer_threads'] if peers else '?'} threads; their dequantized decoder linears replace the float "
+             f"{s['load'][0]:.1f} at the start). Peers ({versions}) ran on the CPU in their own venvs ({ran}); rows "
+             "marked *recorded* come from bench/results/peers.json, an earlier run with the same model, text and "
+             "reference (the date says which). Their dequantized decoder linears replace the float "
              "model's, token embedding float16 and head float32 (exl's rows: embedding float16, head 6-bit g64, "
              "which costs exl ≤ 0.001 KLD: exl at 8.5 bpw has 0.0011). bpw: decoder linear layers, every stored bit "
-             "(codes, float16 scales, float16 zeros where stored). exl scalar: converted at the peer's bpw from the "
-             "main table's exl-4.0 measurement (-m, --codes scalar, as the --trellis table's scalar rows). exl trellis: "
-             "the best (lowest-KLD) trellis model of the --trellis table at or below the peer's size, not converted "
-             "here unless --peer-trellis-measurement is given.", "",
+             "(codes, float16 scales, float16 zeros where stored). exl scalar: converted at the peer's bpw with "
+             "scalar codes only (-m from one scalar measurement of exl convert's default calibration, as the main "
+             "table's). exl trellis: the best (lowest-KLD) trellis model at or below the peer's size, converted here "
+             "at the peers' sizes with --peer-trellis or taken from the --trellis table's cached conversions.", "",
              "| peer | bpw | ppl | KLD | peer time (s) | exl scalar at that bpw: KLD | exl scalar / peer | "
              "exl trellis (bpw): KLD | exl trellis / peer |", "|---|---|---|---|---|---|---|---|---|"]
     if any(round(r["bpw"], 4) not in {x["target"] for x in rows if x["kind"] == "exl scalar"} for r in peers):
@@ -661,15 +722,16 @@ def peers_markdown(results: dict) -> str:
     for r in peers:
         sc = scalar.get(round(r["bpw"], 4))
         tr = min((t for t in trellis if t["bpw"] <= r["bpw"] + 1e-6), key=lambda t: t["kld"], default=None)
-        lines.append(f"| {r['label']} | {r['bpw']:.3f} | {r['ppl']:.3f} | {r['kld']:.4f} | {r['seconds']:.0f} | "
+        name = f"{r['label']} (*recorded {r['recorded']}*)" if r.get("recorded") else r["label"]
+        lines.append(f"| {name} | {r['bpw']:.3f} | {r['ppl']:.3f} | {r['kld']:.4f} | {r['seconds']:.0f} | "
                      + (f"{sc['kld']:.4f}{' (' + sc['label'] + ')' if 'main table' in sc['label'] else ''} | "
                         f"{sc['kld'] / r['kld']:.2f} | " if sc else "| | ")
                      + (f"{tr['label']} ({tr['bpw']:.3f}): {tr['kld']:.4f} | {tr['kld'] / r['kld']:.2f} |" if tr else "| |"))
     lines += ["", "| exl model | bpw | ppl | KLD | conversion (s) |", "|---|---|---|---|---|"]
-    for r in rows:
-        if r["kind"] in ("exl scalar", "exl trellis"):
-            conv = f"{r['convert_s']:.0f}" if r.get("convert_s") else ""
-            lines.append(f"| {r['label']} | {r['bpw']:.3f} | {r['ppl']:.3f} | {r['kld']:.4f} | {conv} |")
+    for r in sorted((r for r in rows if r["kind"] in ("exl scalar", "exl trellis")), key=lambda r: (r["kind"], r["bpw"])):
+        conv = f"{r['convert_s']:.0f}" if r.get("convert_s") else ""
+        name = f"{r['label']} (*recorded {r['recorded']}*)" if r.get("recorded") else r["label"]
+        lines.append(f"| {name} | {r['bpw']:.3f} | {r['ppl']:.3f} | {r['kld']:.4f} | {conv} |")
     for f in results.get("failed", []):
         lines += ["", f"**{f['label']}: no row.**", "", "```", f["error"], "```"]
     return "\n".join(lines)
@@ -815,22 +877,25 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default=",".join(map(str, TRELLIS_SIZES)), help="with --trellis: target bpw")
     ap.add_argument("--kinds", default="trellis,scalar", help="with --trellis: the kinds of code to convert")
     ap.add_argument("--trellis-measurement", default=None, metavar="PATH",
-                    help="with --trellis: reuse this measurement.json for every trellis size (-m)")
+                    help="with --trellis or --peer-trellis: reuse this measurement.json for every trellis size (-m)")
     ap.add_argument("--scalar-measurement", default=None, metavar="PATH",
-                    help="with --trellis: reuse this measurement.json (e.g. the main table's exl-4.0) for every scalar size")
+                    help="with --trellis or --peers: reuse this measurement.json for every scalar size "
+                         "(--peers default: the main table's exl-4.0 if cached, else measured at the first size)")
     ap.add_argument("--trellis-measure-rows", type=int, default=None,
-                    help="with --trellis: rows per matrix priced in the trellis measurement (default: the converter's)")
+                    help="with --trellis/--peer-trellis: rows per matrix priced in the trellis measurement (default: the converter's)")
     ap.add_argument("--trellis-bits", default=None, type=lambda v: tuple(int(b) for b in v.split(",")),
-                    help="with --trellis: the trellis widths measured, e.g. 1,2,3,4,5,6 (default: the converter's)")
+                    help="with --trellis/--peer-trellis: the trellis widths measured, e.g. 1,2,3,4,5,6 (default: the converter's)")
     ap.add_argument("--peers", action="store_true", help="only the peer table: GPTQ, AutoRound, HQQ against exl")
-    ap.add_argument("--peer-tools", default="gptq,autoround,hqq", help="with --peers: which tools")
+    ap.add_argument("--peer-tools", default="gptq,autoround,hqq",
+                    help="with --peers: the tools to run (cached outputs are reused); the others' rows come from "
+                         "bench/results/peers.json, the record of earlier runs, marked with their date")
     ap.add_argument("--peer-venvs", default=str(Path("~/.cache/exl/peers")),
                     help="with --peers: folder holding the peer venvs (venv, venv-autoround)")
     ap.add_argument("--peer-cached-only", action="store_true",
                     help="with --peers: quantize and convert nothing, table what the cache holds")
-    ap.add_argument("--peer-trellis-measurement", default=None, metavar="PATH",
-                    help="with --peers: also convert trellis at each peer's bpw from this measurement (-m); "
-                         "default: show the cached --trellis rows")
+    ap.add_argument("--peer-trellis", action="store_true",
+                    help="with --peers: also convert trellis at each quantized peer's bpw (measured at the first "
+                         "size unless --trellis-measurement is given; --trellis-measure-rows/--trellis-bits apply)")
     ap.add_argument("--no-doc", action="store_true", help=f"do not write {DOC.name}")
     ap.add_argument("--json", default=None, help="also save the raw results here")
     args = ap.parse_args(argv)

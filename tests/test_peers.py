@@ -96,3 +96,33 @@ def test_peer_eval_folder_replaces_decoder_weights_only(tmp_path):
     assert torch.equal(got["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"].half().float())
     assert not torch.equal(got["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"])
     assert (folder / "config.json").is_file()
+
+
+def test_peer_record_keeps_earlier_rows_and_is_used_only_with_the_same_evaluation(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "bench"))
+    quality = _load("quality_bench", ROOT / "bench" / "quality.py")
+    monkeypatch.setattr(quality, "PEER_RECORD", tmp_path / "peers.json")
+    setup = {"windows": 12, "ctx": 512, "threads": 2, "load": (1.0, 1.0, 1.0)}
+    ref = dict(kind="reference", label="exl float32", bpw=32.0, ppl=14.849, kld=0.0)
+    gptq = dict(kind="peer", label="gptq-4b-g64", tool="gptq", bits=4, group=64, bpw=4.25, ppl=16.4, kld=0.114,
+                version="llmcompressor 0.14", seconds=4101.0, peer_threads=2)
+    quality.save_peer_record({"setup": setup, "rows": [ref, gptq, dict(kind="exl scalar", label="scalar-4.25",
+                                                                     target=4.25, bpw=4.25, ppl=15.7, kld=0.07)]})
+    ar = dict(gptq, label="autoround-4b-g128", tool="autoround", group=128, bpw=4.1389, kld=0.0977, seconds=2258.0)
+    quality.save_peer_record({"setup": setup, "rows": [ref, ar, dict(gptq, kld=0.2, recorded="2026-01-01")]})
+    rec = json.loads((tmp_path / "peers.json").read_text())
+    assert [r["label"] for r in rec["rows"]] == ["scalar-4.25", "autoround-4b-g128", "gptq-4b-g64"]
+    assert next(r for r in rec["rows"] if r["label"] == "gptq-4b-g64")["kld"] == 0.114  # a recorded row is not rewritten
+
+    got = quality.recorded_rows(setup, 14.8491, "peer", {"gptq-4b-g64"})
+    assert len(got) == 1 and got[0]["kld"] == 0.114 and got[0]["recorded"] == rec["rows"][0]["date"]
+    assert quality.recorded_rows(setup, 15.2, "peer", {"gptq-4b-g64"}) == []  # another reference: another model
+    assert quality.recorded_rows(dict(setup, windows=4), 14.849, "peer", {"gptq-4b-g64"}) == []
+
+    trellis = dict(kind="exl trellis", label="trellis-4.1389", target=4.1389, bpw=4.1387, ppl=15.5, kld=0.05)
+    rows = [ref, ar, *got, *quality.recorded_rows(setup, 14.849, "exl scalar", {"scalar-4.25"}), trellis]
+    text = quality.peers_markdown({"setup": setup, "rows": rows})
+    line = next(x for x in text.splitlines() if x.startswith("| gptq-4b-g64"))
+    assert "*recorded" in line and "| 0.0700 | 0.61 |" in line and "trellis-4.1389 (4.139): 0.0500 | 0.44 |" in line
+    line = next(x for x in text.splitlines() if x.startswith("| autoround-4b-g128 |"))
+    assert "trellis-4.1389 (4.139): 0.0500 | 0.51 |" in line

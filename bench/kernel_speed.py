@@ -1,10 +1,10 @@
 """Fused dequant-matmul timing on SmolLM2-135M-sized matrices vs dense F.linear.
 
-    python bench/kernels.py              # CPU kernels (float32 activations) vs dense fp32 F.linear
-    python bench/kernels.py --cuda       # CUDA kernels (float16) vs dense fp16 F.linear
-    python bench/kernels.py --isas avxvnni,avx512vnni [--model DIR]   # int8 GEMV per instruction set
-    python bench/kernels.py --trellis [--isas avx2,avx512vnni]   # trellis GEMV vs 4-bit scalar, per ISA
-    python bench/kernels.py [--cuda] --json   # one JSON line: decode GEMV GB/s against the device's bandwidth
+    python bench/kernel_speed.py              # CPU kernels (float32 activations) vs dense fp32 F.linear
+    python bench/kernel_speed.py --cuda       # CUDA kernels (float16) vs dense fp16 F.linear
+    python bench/kernel_speed.py --isas avxvnni,avx512vnni [--model DIR]   # int8 GEMV per instruction set
+    python bench/kernel_speed.py --trellis [--isas avx2,avx512vnni]   # trellis GEMV vs 4-bit scalar, per ISA
+    python bench/kernel_speed.py [--cuda] --json   # one JSON line: decode GEMV GB/s against the device's bandwidth
                                               # (with --cuda also the trellis GEMV, codes 1, 2 and 3)
 
 The --isas mode times the int8-activation GEMV of each instruction set on SmolLM2's real segment
