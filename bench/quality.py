@@ -646,7 +646,8 @@ def peers_run(args) -> dict:
     print(f"reference: ppl {ref['ppl']:.3f} ({time.time() - t:.0f} s)", flush=True)
     venvs = Path(args.peer_venvs).expanduser()
     tools = args.peer_tools.split(",") if args.peer_tools else []
-    for tool, bits, group in (p for p in PEERS if p[0] in tools):
+    widths = {int(b) for b in args.peer_bits.split(",")}
+    for tool, bits, group in (p for p in PEERS if p[0] in tools and p[1] in widths):
         label = f"{tool}-{bits}b-g{group}"
         if args.peer_cached_only and not (peers_root() / label / "peer.json").is_file():
             results["failed"].append({"label": label, "error": "not in the cache (--peer-cached-only): not run"})
@@ -665,7 +666,7 @@ def peers_run(args) -> dict:
                                     peer_threads=meta["threads"], **r))
         print(f"{label}: {meta['bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f}", flush=True)
         gc.collect()
-    others = [f"{tool}-{bits}b-g{group}" for tool, bits, group in PEERS if tool not in tools]
+    others = [f"{tool}-{bits}b-g{group}" for tool, bits, group in PEERS if tool not in tools or bits not in widths]
     results["rows"] += recorded_rows(results["setup"], ref["ppl"], "peer", others)
     sizes = sorted({round(r["bpw"], 4) for r in results["rows"] if r["kind"] == "peer" and not r.get("recorded")})
     if sizes and not args.peer_cached_only:
@@ -889,6 +890,7 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-tools", default="gptq,autoround,hqq",
                     help="with --peers: the tools to run (cached outputs are reused); the others' rows come from "
                          "bench/results/peers.json, the record of earlier runs, marked with their date")
+    ap.add_argument("--peer-bits", default="4,3", help="with --peers: the widths to run (others come from the record)")
     ap.add_argument("--peer-venvs", default=str(Path("~/.cache/exl/peers")),
                     help="with --peers: folder holding the peer venvs (venv, venv-autoround)")
     ap.add_argument("--peer-cached-only", action="store_true",

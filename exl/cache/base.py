@@ -35,6 +35,17 @@ class AttentionContext:
     def finish(self) -> None:
         """Called once after the last layer."""
 
+    on_launch = None  # set by the context's owner (the generator): run once by launching()
+
+    def launching(self) -> None:
+        """Called right before the pass's long GIL-free call (the one-call decode step), and by the owner after the
+        pass in case there was none: runs `on_launch` once. What that hands to other threads (streamed tokens for
+        the server's event loop) then runs while the kernels do, instead of taking the GIL between this thread's
+        short Python steps and making it wait."""
+        hook, self.on_launch = self.on_launch, None
+        if hook is not None:
+            hook()
+
 
 class NoCache(AttentionContext):
     """Plain causal attention over the tokens of this forward pass only."""

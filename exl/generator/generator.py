@@ -138,6 +138,9 @@ class Generator:
         self._finished_now: list[Job] = []
         self.stats = {"forward_passes": 0, "drafted": 0, "accepted": 0, "prefill_tokens": 0, "decode_steps": 0,
                       "preemptions": 0}
+        # Called once per forward pass of the target model as its long GIL-free kernel call starts (or after the pass):
+        # the asyncio front end hands the previous step's events to its delivery thread there (AttentionContext.launching).
+        self.on_launch = None
 
     # -- public API -----------------------------------------------------------------------------------------------
 
@@ -402,9 +405,11 @@ class Generator:
         for j, toks, _ in segments:
             cache.extend(j._run.table, len(toks))
         ctx = PagedContext(cache, [(j._run.table, len(toks)) for j, toks, _ in segments])
+        ctx.on_launch = self.on_launch
         flat = [t for _, toks, _ in segments for t in toks]
         ids = torch.tensor([flat], dtype=torch.long, device=cache.device)
         h = self.model(ids, ctx=ctx, return_hidden=True)
+        ctx.launching()
         self.stats["forward_passes"] += 1
         rows, spans, offset = [], [], 0
         for j, toks, kind in segments:
