@@ -602,15 +602,15 @@ def save_peer_record(results: dict) -> None:
     PEER_RECORD.write_text(json.dumps(rec, indent=1) + "\n")
 
 
-def recorded_rows(ev_setup: dict, ref_ppl: float, kind: str, labels) -> list[dict]:
-    """Rows of `kind` for these labels from PEER_RECORD, if it was made with this evaluation."""
+def recorded_rows(ev_setup: dict, ref_ppl: float, kind: str, labels=None) -> list[dict]:
+    """Rows of `kind` for these labels (None: all) from PEER_RECORD, if it was made with this evaluation."""
     rec = peer_record()
     if (rec.get("windows"), rec.get("ctx")) != (ev_setup["windows"], ev_setup["ctx"]) \
             or abs(rec.get("reference_ppl", 0) - ref_ppl) > 2e-3:
         if rec["rows"]:
             print(f"{PEER_RECORD}: made with another evaluation (reference ppl {rec.get('reference_ppl')}), not used")
         return []
-    return [dict(r, recorded=r["date"]) for r in rec["rows"] if r["kind"] == kind and r["label"] in labels]
+    return [dict(r, recorded=r["date"]) for r in rec["rows"] if r["kind"] == kind and (labels is None or r["label"] in labels)]
 
 
 def exl_at_sizes(rot: Path, ev: Evaluator, kind: str, sizes, measurement: Path | None, opts: dict) -> list[dict]:
@@ -684,6 +684,8 @@ def peers_run(args) -> dict:
     results["rows"] += [r for r in recorded_rows(results["setup"], ref["ppl"], "exl scalar",
                                                  {f"scalar-{b:g}" for b in recorded_sizes}) if r["label"] not in done]
     results["rows"] += [r for r in cached_trellis_rows(ev) if r["label"] not in done]
+    done = {r["label"] for r in results["rows"]}
+    results["rows"] += [r for r in recorded_rows(results["setup"], ref["ppl"], "exl trellis") if r["label"] not in done]
     results["setup"]["load_end"] = os.getloadavg()
     if not args.peer_cached_only:
         save_peer_record(results)
