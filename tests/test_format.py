@@ -151,38 +151,26 @@ def test_trellis_layout_2_is_quad_rows():
     assert torch.equal(F.trellis_tiles_to_matrix(tiles, 2), q)
 
 
-def test_trellis_code_2_is_the_sum_of_two_table_lookups():
-    tc = F.two_table_default()
-    assert tc.dtype == torch.int8 and tc.shape == (256,)
-    assert torch.equal(tc, F.two_table_default())  # deterministic
-    assert sorted(tc[:128].tolist()) == sorted(tc[128:].tolist()) and int(tc.abs().max()) == 127
-    meta = F.TrellisMeta(3, 12, code=F.CODE_TWO_TABLE)
+@pytest.mark.parametrize("code, n, shift, std_max", [(2, 128, 5, 75), (3, 64, 6, 80)])
+def test_two_table_code_is_the_sum_of_two_table_lookups(code, n, shift, std_max):
+    tc = F.two_table_default(code)
+    assert tc.dtype == torch.int8 and tc.shape == (2 * n,)
+    assert torch.equal(tc, F.two_table_default(code))  # deterministic
+    assert sorted(tc[:n].tolist()) == sorted(tc[n:].tolist()) and int(tc.abs().max()) == 127
+    meta = F.TrellisMeta(3, 12, code=code)
     assert (meta.version, meta.mul, meta.add) == (2, 0, 0)
     cb = F.trellis_codebook(meta, tc).double()
-    assert abs(cb.mean()) < 2 and 60 < cb.std() < 75
-    for s in (0, 1, 31, 32, 2047, 4095):
-        a, b = s & 127, (s >> 5) & 127
-        assert int(cb[s]) == int(tc[(a + b) % 128]) + int(tc[128 + (a - b) % 128])
+    assert abs(cb.mean()) < 2 and 60 < cb.std() < std_max
+    for s in (0, 1, 2**shift - 1, 2**shift, 2047, 4095):
+        a, b = s & (n - 1), (s >> shift) & (n - 1)
+        assert int(cb[s]) == int(tc[(a + b) % n]) + int(tc[n + (a - b) % n])
     assert F.TrellisMeta.from_tensor(meta.to_tensor()) == meta
     with pytest.raises(ValueError, match="needs its tables"):
         F.trellis_codebook(meta)
-
-
-def test_trellis_code_3_is_the_sum_of_two_64_entry_table_lookups():
-    tc = F.two_table_default(3)
-    assert tc.dtype == torch.int8 and tc.shape == (128,)
-    assert sorted(tc[:64].tolist()) == sorted(tc[64:].tolist()) and int(tc.abs().max()) == 127
-    meta = F.TrellisMeta(3, 12, code=F.CODE_TWO_TABLE_64)
-    assert (meta.version, meta.mul, meta.add) == (2, 0, 0)
-    cb = F.trellis_codebook(meta, tc).double()
-    assert abs(cb.mean()) < 2 and 60 < cb.std() < 80
-    for s in (0, 1, 63, 64, 2047, 4095):
-        a, b = s & 63, (s >> 6) & 63
-        assert int(cb[s]) == int(tc[(a + b) % 64]) + int(tc[64 + (a - b) % 64])
-    assert F.TrellisMeta.from_tensor(meta.to_tensor()) == meta
-    with pytest.raises(ValueError, match=r"tcode of a code 3 layer must be int8 \[128\]"):
-        F.trellis_codebook(meta, F.two_table_default(2))
-    # the 4096 states take many distinct values: the code behaves like a random one, not a 64-level grid
+    other = F.two_table_default(5 - code)  # the other two-table code's tables: the wrong size
+    with pytest.raises(ValueError, match=rf"tcode of a code {code} layer must be int8 \[{2 * n}\]"):
+        F.trellis_codebook(meta, other)
+    # the 4096 states take many distinct values: the code behaves like a random one, not an n-level grid
     assert len(set(cb.tolist())) > 300
 
 
