@@ -228,6 +228,39 @@ def ablation_variants() -> list[dict]:
             )]
 
 
+def trellis_options(args) -> dict:
+    """The trellis measurement options given on the command line (--trellis-measure-rows, --trellis-bits)."""
+    return {k: v for k, v in (("measure_rows", args.trellis_measure_rows), ("trellis_bits", args.trellis_bits))
+            if v is not None}
+
+
+def exl_at_sizes(rot: Path, ev: Evaluator, kind: str, sizes, measurement: Path | None, opts: dict, label,
+                 fresh: bool = False) -> list[dict]:
+    """exl converted at each size in `sizes` with `opts` (folder name `label(size)`), from `measurement` (-m);
+    with none, the first size measures (in a work folder) and the others reuse its measurement.json."""
+    rows = []
+    for b in sizes:
+        name = label(b)
+        t = time.time()
+        work = root() / "quality" / f"work-{name}" if measurement is None else None
+        folder = exl_model(rot, name, b, measurement, fresh, work=work, **opts)
+        measurement = measurement or folder / "measurement.json"
+        rep = report_of(folder)
+        r = cached_eval(folder, ev, lambda: ev.evaluate(exl_logits(folder), "exl", batch=4))
+        settings = {}
+        for layer in rep["layers"]:
+            k = layer["setting"].split("/")[0]
+            settings[k] = settings.get(k, 0) + 1
+        timings = rep.get("timings", {})
+        rows.append(dict(kind=kind, label=name, target=b, bpw=rep["measured_bpw"], **r, predicted_kl=rep["predicted_kl"],
+                         convert_s=timings.get("total"), timings=timings, settings=settings,
+                         reused="measure" not in timings, measurement=str(measurement)))
+        print(f"{name}: {rep['measured_bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f} "
+              f"(predicted {rep['predicted_kl']:.4f}; {time.time() - t:.0f} s)", flush=True)
+        gc.collect()
+    return rows
+
+
 def trellis_run(args) -> dict:
     """Trellis vs scalar codes at TRELLIS_SIZES: each kind measured once, the other sizes converted with -m."""
     fix_threads(args.threads)
@@ -240,36 +273,15 @@ def trellis_run(args) -> dict:
                      "rows": []}
     ref = ev.reference("exl", exl_logits(rot), batch=4)
     results["rows"].append(dict(kind="reference", label="exl float32", bpw=32.0, **ref))
-    for codes in args.kinds.split(","):
+    sizes = [float(x) for x in args.sizes.split(",")]
+    for codes in args.kinds.split(","):  # with no measurement given, the first size measures
         given = getattr(args, f"{codes}_measurement")
         measurement = Path(given).expanduser() if given else None
-        sizes = [float(x) for x in args.sizes.split(",")]
-        extra = {}
-        if codes == "trellis":
-            extra = {k: v for k, v in (("measure_rows", args.trellis_measure_rows), ("trellis_bits", args.trellis_bits))
-                     if v is not None}
-        for b in sizes:  # with no measurement given, the first size measures
-            label = f"{codes}-{b}"
-            t = time.time()
-            work = root() / "quality" / f"work-{label}" if measurement is None else None
-            folder = exl_model(rot, label, b, measurement, args.fresh, work=work, codes=codes, **extra)
-            measurement = measurement or folder / "measurement.json"
-            rep = report_of(folder)
-            r = cached_eval(folder, ev, lambda: ev.evaluate(exl_logits(folder), "exl", batch=4))
-            kinds = {}
-            for s_ in rep["layers"]:
-                k = s_["setting"].split("/")[0]
-                kinds[k] = kinds.get(k, 0) + 1
-            results["rows"].append(dict(kind=codes, label=label, target=b, bpw=rep["measured_bpw"], **r,
-                                        predicted_kl=rep["predicted_kl"], convert_s=rep.get("timings", {}).get("total"),
-                                        timings=rep.get("timings", {}), settings=kinds,
-                                        reused="measure" not in rep.get("timings", {})))
-            print(f"{label}: {rep['measured_bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f} "
-                  f"(predicted {rep['predicted_kl']:.4f}; {time.time() - t:.0f} s)", flush=True)
-            if codes == "trellis" and b == 2.0:
-                results["chat_trellis_2.0"] = chat_sample(folder)
-            gc.collect()
-    for b in [float(x) for x in args.sizes.split(",")]:  # earlier conversions (code 1 everywhere; code 2), if kept
+        opts = {"codes": codes, **(trellis_options(args) if codes == "trellis" else {})}
+        results["rows"] += exl_at_sizes(rot, ev, codes, sizes, measurement, opts, lambda b: f"{codes}-{b}", args.fresh)
+        if codes == "trellis" and 2.0 in sizes:
+            results["chat_trellis_2.0"] = chat_sample(root() / "quality" / "trellis-2.0")
+    for b in sizes:  # earlier conversions (code 1 everywhere; code 2), if kept
         for earlier in EARLIER_CODES:
             folder = root() / "quality" / f"trellis-{b}-{earlier}"
             if (folder / "quantization_report.json").is_file():
@@ -587,11 +599,13 @@ def peer_record() -> dict:
 
 
 def save_peer_record(results: dict) -> None:
-    """Put this run's peer and exl rows into PEER_RECORD (replacing rows of the same label)."""
+    """Put this run's new peer and exl rows into PEER_RECORD (replacing rows of the same label whose result changed)."""
     rec = peer_record()
     s = results["setup"]
     rec.update(windows=s["windows"], ctx=s["ctx"], reference_ppl=round(results["rows"][0]["ppl"], 3))
-    fresh = {r["label"]: r for r in results["rows"] if r["kind"] != "reference" and not r.get("recorded")}
+    old = {r["label"]: r for r in rec["rows"]}
+    fresh = {r["label"]: r for r in results["rows"] if r["kind"] != "reference" and not r.get("recorded")
+             and old.get(r["label"], {}).get("kld") != r["kld"]}  # a cached result evaluated again keeps its date
     keep = [r for r in rec["rows"] if r["label"] not in fresh]
     day = time.strftime("%Y-%m-%d")
     new = [{k: v for k, v in dict(r, date=day, load=s["load"][0]).items()
@@ -602,33 +616,15 @@ def save_peer_record(results: dict) -> None:
     PEER_RECORD.write_text(json.dumps(rec, indent=1) + "\n")
 
 
-def recorded_rows(ev_setup: dict, ref_ppl: float, kind: str, labels=None) -> list[dict]:
-    """Rows of `kind` for these labels (None: all) from PEER_RECORD, if it was made with this evaluation."""
+def recorded_rows(ev_setup: dict, ref_ppl: float) -> list[dict]:
+    """PEER_RECORD's rows, marked with their date, if it was made with this evaluation (else none)."""
     rec = peer_record()
     if (rec.get("windows"), rec.get("ctx")) != (ev_setup["windows"], ev_setup["ctx"]) \
             or abs(rec.get("reference_ppl", 0) - ref_ppl) > 2e-3:
         if rec["rows"]:
             print(f"{PEER_RECORD}: made with another evaluation (reference ppl {rec.get('reference_ppl')}), not used")
         return []
-    return [dict(r, recorded=r["date"]) for r in rec["rows"] if r["kind"] == kind and (labels is None or r["label"] in labels)]
-
-
-def exl_at_sizes(rot: Path, ev: Evaluator, kind: str, sizes, measurement: Path | None, opts: dict) -> list[dict]:
-    """exl converted at each size in `sizes` with `opts`, from `measurement` (-m); with none, the first size
-    measures (in a work folder) and the others reuse its measurement.json."""
-    rows = []
-    for b in sizes:
-        label = f"{kind.split()[-1]}-{b:g}"
-        work = root() / "quality" / f"work-{label}" if measurement is None else None
-        folder = exl_model(rot, label, b, measurement, False, work=work, **opts)
-        measurement = measurement or folder / "measurement.json"
-        rep = report_of(folder)
-        r = cached_eval(folder, ev, lambda: ev.evaluate(exl_logits(folder), "exl", batch=4))
-        rows.append(dict(kind=kind, label=label, target=b, bpw=rep["measured_bpw"], **r,
-                         convert_s=rep.get("timings", {}).get("total"), measurement=str(measurement)))
-        print(f"{label}: {rep['measured_bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f}", flush=True)
-        gc.collect()
-    return rows
+    return [dict(r, recorded=r["date"]) for r in rec["rows"]]
 
 
 def peers_run(args) -> dict:
@@ -667,26 +663,27 @@ def peers_run(args) -> dict:
         print(f"{label}: {meta['bpw']:.3f} bpw, ppl {r['ppl']:.3f}, KLD {r['kld']:.4f}", flush=True)
         gc.collect()
     others = [f"{tool}-{bits}b-g{group}" for tool, bits, group in PEERS if tool not in tools or bits not in widths]
-    results["rows"] += recorded_rows(results["setup"], ref["ppl"], "peer", others)
+    recorded = recorded_rows(results["setup"], ref["ppl"])
+    results["rows"] += [r for r in recorded if r["kind"] == "peer" and r["label"] in others]
     sizes = sorted({round(r["bpw"], 4) for r in results["rows"] if r["kind"] == "peer" and not r.get("recorded")})
     if sizes and not args.peer_cached_only:
         main_m = root() / "quality" / "exl-4.0" / "measurement.json"
         scalar_m = Path(args.scalar_measurement).expanduser() if args.scalar_measurement else \
             main_m if main_m.is_file() else None
-        results["rows"] += exl_at_sizes(rot, ev, "exl scalar", sizes, scalar_m, {"codes": "scalar"})
+        results["rows"] += exl_at_sizes(rot, ev, "exl scalar", sizes, scalar_m, {"codes": "scalar"},
+                                        lambda b: f"scalar-{b:g}")
         if args.peer_trellis:
             trellis_m = Path(args.trellis_measurement).expanduser() if args.trellis_measurement else None
-            extra = {k: v for k, v in (("measure_rows", args.trellis_measure_rows), ("trellis_bits", args.trellis_bits))
-                     if v is not None}
-            results["rows"] += exl_at_sizes(rot, ev, "exl trellis", sizes, trellis_m, {"codes": "trellis", **extra})
+            results["rows"] += exl_at_sizes(rot, ev, "exl trellis", sizes, trellis_m,
+                                            {"codes": "trellis", **trellis_options(args)}, lambda b: f"trellis-{b:g}")
+    # exl rows not made here: recorded scalar rows at the recorded peers' sizes, then trellis models (cached, recorded)
+    recorded_scalar = {f"scalar-{b:g}" for b in {round(r["bpw"], 4) for r in results["rows"] if r.get("recorded")}}
     done = {r["label"] for r in results["rows"]}
-    recorded_sizes = sorted({round(r["bpw"], 4) for r in results["rows"] if r.get("recorded")})
-    results["rows"] += [r for r in recorded_rows(results["setup"], ref["ppl"], "exl scalar",
-                                                 {f"scalar-{b:g}" for b in recorded_sizes}) if r["label"] not in done]
-    results["rows"] += [r for r in cached_trellis_rows(ev) if r["label"] not in done]
-    done = {r["label"] for r in results["rows"]}
-    results["rows"] += [r for r in recorded_rows(results["setup"], ref["ppl"], "exl trellis") if r["label"] not in done]
-    results["setup"]["load_end"] = os.getloadavg()
+    for r in ([r for r in recorded if r["kind"] == "exl scalar" and r["label"] in recorded_scalar]
+              + cached_trellis_rows(ev) + [r for r in recorded if r["kind"] == "exl trellis"]):
+        if r["label"] not in done:
+            results["rows"].append(r)
+            done.add(r["label"])
     if not args.peer_cached_only:
         save_peer_record(results)
     return results

@@ -113,14 +113,16 @@ def test_peer_record_keeps_earlier_rows_and_is_used_only_with_the_same_evaluatio
     rec = json.loads((tmp_path / "peers.json").read_text())
     assert [r["label"] for r in rec["rows"]] == ["scalar-4.25", "autoround-4b-g128", "gptq-4b-g64"]
     assert next(r for r in rec["rows"] if r["label"] == "gptq-4b-g64")["kld"] == 0.114  # a recorded row is not rewritten
+    quality.save_peer_record({"setup": dict(setup, load=(9.0, 9.0, 9.0)), "rows": [ref, ar]})  # evaluated again
+    assert json.loads((tmp_path / "peers.json").read_text()) == rec  # the same result keeps its date and load
 
-    got = quality.recorded_rows(setup, 14.8491, "peer", {"gptq-4b-g64"})
+    got = [r for r in quality.recorded_rows(setup, 14.8491) if r["label"] == "gptq-4b-g64"]
     assert len(got) == 1 and got[0]["kld"] == 0.114 and got[0]["recorded"] == rec["rows"][0]["date"]
-    assert quality.recorded_rows(setup, 15.2, "peer", {"gptq-4b-g64"}) == []  # another reference: another model
-    assert quality.recorded_rows(dict(setup, windows=4), 14.849, "peer", {"gptq-4b-g64"}) == []
+    assert quality.recorded_rows(setup, 15.2) == []  # another reference: another model
+    assert quality.recorded_rows(dict(setup, windows=4), 14.849) == []
 
     trellis = dict(kind="exl trellis", label="trellis-4.1389", target=4.1389, bpw=4.1387, ppl=15.5, kld=0.05)
-    rows = [ref, ar, *got, *quality.recorded_rows(setup, 14.849, "exl scalar", {"scalar-4.25"}), trellis]
+    rows = [ref, ar, *got, *[r for r in quality.recorded_rows(setup, 14.849) if r["label"] == "scalar-4.25"], trellis]
     text = quality.peers_markdown({"setup": setup, "rows": rows})
     line = next(x for x in text.splitlines() if x.startswith("| gptq-4b-g64"))
     assert "*recorded" in line and "| 0.0700 | 0.61 |" in line and "trellis-4.1389 (4.139): 0.0500 | 0.44 |" in line
