@@ -370,7 +370,7 @@ def trellis_markdown(results: dict) -> str:
              "scalar / trellis KLD | targets | trellis with code 1 only: KLD (scalar / it) | "
              "trellis with code 2: KLD (scalar / it) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for b in TRELLIS_SIZES:
+    for b in sorted({r["target"] for r in results["rows"] if r["kind"] in ("scalar", "trellis")}):  # the run's --sizes
         sc, tr = by.get(("scalar", b)), by.get(("trellis", b))
         if not (sc and tr):
             continue
