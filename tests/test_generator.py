@@ -5,6 +5,7 @@ Reference for every output: a plain greedy loop over `model.forward` with a cont
 
 import asyncio
 import json
+import sys
 
 import pytest
 import torch
@@ -672,3 +673,27 @@ def test_banned_string_rewind_with_a_4bit_cache(wide, tok):
               banned_strings=[" cat"])
     run_all(gen, [job])
     assert job.text == " dog food" and job._run.rewinds >= 1 and cache.pages_in_use == 0
+
+
+def test_on_launch_runs_once_per_pass_and_right_before_the_one_call_step(small, monkeypatch):
+    """Generator.on_launch (how AsyncGenerator hands a step's events to its courier) fires once per forward pass of
+    the target model; in a decode pass the one-call step fires it (CausalLM.decode_step, just before the C++ call)."""
+    from exl.cache.base import AttentionContext
+
+    callers = []
+    original = AttentionContext.launching
+
+    def launching(self):
+        if self.on_launch is not None:
+            callers.append(sys._getframe(1).f_code.co_name)
+        original(self)
+
+    monkeypatch.setattr(AttentionContext, "launching", launching)
+    gen = Generator(small, PagedCache(small, num_pages=32, page_size=8), None, max_chunk_size=16)
+    calls = []
+    gen.on_launch = lambda: calls.append(gen.stats["forward_passes"])
+    run_all(gen, [Job(p, max_new_tokens=6, sampler=GREEDY) for p in prompts([20, 7], seed=3)])
+    assert calls == list(range(gen.stats["forward_passes"]))  # once per pass, before the pass is counted
+    assert len(callers) == len(calls)
+    assert 0 < callers.count("decode_step") < len(callers)  # decode passes through the step, prompt passes after it
+    assert set(callers) == {"decode_step", "_forward"}
