@@ -510,6 +510,42 @@ def test_async_generator_streams_and_cancels(small):
     assert reason == "cancelled" and gen.cache.pages_in_use == 0
 
 
+def test_async_jobs_with_one_sink_deliver_tagged_events_in_order(small):
+    """AsyncJob(sink=q, tag=t): the events of several jobs arrive in one queue as (tag, event), each job's in
+    order and with the tokens plain greedy gives; a sink job cannot be iterated, and cancelling it ends it
+    with a "cancelled" event."""
+    gen = Generator(small, PagedCache(small, num_pages=64, page_size=8), None)
+    ps = prompts([10, 20, 5], seed=17)
+
+    async def main():
+        agen = AsyncGenerator(gen)
+        sink: asyncio.Queue = asyncio.Queue()
+        jobs = [AsyncJob(agen, Job(p, max_new_tokens=6 + i, sampler=GREEDY), sink=sink, tag=f"j{i}")
+                for i, p in enumerate(ps)]
+        with pytest.raises(TypeError, match="sink"):
+            aiter(jobs[0])
+        got: dict = {}
+        while sum(1 for evs in got.values() if evs[-1].eos) < len(jobs):
+            tag, ev = await asyncio.wait_for(sink.get(), timeout=60)
+            got.setdefault(tag, []).append(ev)
+        assert all(j._finished for j in jobs)
+        long = AsyncJob(agen, Job(ps[0], max_new_tokens=400, sampler=GREEDY), sink=sink, tag="long")
+        tag, ev = await asyncio.wait_for(sink.get(), timeout=60)
+        await long.cancel()
+        while not ev.eos:
+            tag, ev = await asyncio.wait_for(sink.get(), timeout=60)
+        await agen.close()
+        return got, tag, ev
+
+    got, tag, last = asyncio.run(main())
+    assert sorted(got) == ["j0", "j1", "j2"]
+    for i, p in enumerate(ps):
+        evs = got[f"j{i}"]
+        assert [t for e in evs for t in e.token_ids] == reference_greedy(small, p, 6 + i)[0]
+        assert sum(e.eos for e in evs) == 1 and evs[-1].eos_reason == "max_new_tokens"
+    assert tag == "long" and last.eos_reason == "cancelled" and gen.cache.pages_in_use == 0
+
+
 def test_async_worker_failure_ends_every_job_and_is_reported(small):
     """An unexpected exception in the worker thread (injected into the forward pass here): running and queued
     jobs all get a final error event, and the next submit raises with the original exception as its cause."""

@@ -218,7 +218,7 @@ class AsyncGenerator:
 
 def _put_all(items) -> None:
     for aj, item in items:
-        aj._queue.put_nowait(item)
+        aj._put(item)
 
 
 def _resolve(future: asyncio.Future, result, error) -> None:
@@ -248,19 +248,34 @@ class _Done:
 
 
 class AsyncJob:
-    """An async iterator over one job's events (the last has eos=True). Create it inside a running event loop."""
+    """An async iterator over one job's events (the last has eos=True). Create it inside a running event loop.
 
-    def __init__(self, async_generator: AsyncGenerator, job: Job):
+    With `sink` (an asyncio.Queue of that loop), the job is not iterated: each of its events, or the exception
+    that ends it, is put into `sink` as `(tag, item)`. Many jobs can share one sink, so that a consumer of
+    several jobs waits on one queue (no task per job between the generator and the consumer)."""
+
+    def __init__(self, async_generator: AsyncGenerator, job: Job, *, sink: asyncio.Queue | None = None, tag=None):
         self.generator, self.job = async_generator, job
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue | None = asyncio.Queue() if sink is None else None
+        self._sink, self._tag = sink, tag
         self._finished = False
         async_generator.submit(self)
 
     def _deliver(self, item) -> None:  # from the worker thread, at once (errors; not a step's events)
         self.generator._outbox.put([(self, item)])
 
+    def _put(self, item) -> None:  # in the job's event loop
+        if self._sink is None:
+            self._queue.put_nowait(item)
+            return
+        if isinstance(item, BaseException) or item.eos:
+            self._finished = True
+        self._sink.put_nowait((self._tag, item))
+
     def __aiter__(self):
+        if self._sink is not None:
+            raise TypeError("an AsyncJob made with a sink delivers its events there; it cannot be iterated")
         return self
 
     async def __anext__(self):

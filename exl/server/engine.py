@@ -280,68 +280,42 @@ def make_jobs(lm: LoadedModel, specs: list[ChoiceSpec]) -> list:
 async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing", drain=None) -> AsyncIterator[tuple]:
     """Run jobs on the shared generator; yield (job identifier, event). Cancels every unfinished job on exit.
     drain (exl.server.drain.Drain): counts this request as running; when its shutdown grace is over, raises 503
-    `server_shutting_down`."""
+    `server_shutting_down`.
+
+    Every job delivers into one queue (AsyncJob's sink), read here: per token, one wake-up of this coroutine.
+    A watchdog task, not a timeout per wait, notices the end of the shutdown grace and a dead generator."""
     from exl.generator import AsyncJob
 
     if lm.async_generator is None or lm.jobs is None:
         raise APIError(404, "the model was unloaded", code="model_not_found")
-    queue: asyncio.Queue = asyncio.Queue()
+    events: asyncio.Queue = asyncio.Queue()
     async_jobs = []
     async_generator = lm.async_generator
-
-    async def pump(index, async_job):
-        try:
-            async for event in async_job:
-                queue.put_nowait((index, event, None))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # reported to the consumer
-            queue.put_nowait((index, None, e))
-        finally:
-            queue.put_nowait((index, None, StopAsyncIteration()))
-
-    tasks = []
-    getter = None
+    watchdog = None
     ended: set = set()
     if drain is not None:
         drain.enter()
     try:
         for job in jobs:
-            index = job.identifier
             try:
-                async_job = AsyncJob(async_generator, job)
+                async_job = AsyncJob(async_generator, job, sink=events, tag=job.identifier)
             except RuntimeError as e:  # unloaded (closed) or failed generator
                 raise APIError(503, f"cannot run the request: {e}", code="generator_unavailable") from None
             async_jobs.append(async_job)
             lm.jobs.add(async_job)
-            tasks.append(asyncio.create_task(pump(index, async_job)))
-        remaining = len(tasks)
+        watchdog = asyncio.create_task(_watch(events, async_generator, drain))
+        remaining = len(async_jobs)
         while remaining:
-            # Wait for the next event, but notice a generator whose worker thread died: jobs it had not picked
-            # up yet would otherwise wait forever.
-            getter = getter or asyncio.ensure_future(queue.get())
-            done, _ = await asyncio.wait({getter}, timeout=0.25 if drain is not None and drain.draining else 1.0)
-            if drain is not None and drain.expired:
-                raise shutting_down("the server is shutting down: the shutdown grace period (network.shutdown_grace) "
-                                    "ended before this request finished")
-            if not done:
-                dead = getattr(async_generator, "error", None)
-                if dead is not None:
-                    raise APIError(503, f"the generator stopped ({type(dead).__name__}: {dead}); it is restarted "
-                                   f"for the next request, try again", code="generator_failed")
-                continue
-            index, event, error = getter.result()
-            getter = None
-            if isinstance(error, StopAsyncIteration):
-                remaining -= 1
-                continue
-            if error is not None:
-                if error is getattr(async_generator, "error", None) and not isinstance(error, APIError):
-                    raise APIError(503, f"the generator stopped ({type(error).__name__}: {error}); it is restarted "
-                                   f"for the next request, try again", code="generator_failed")
-                raise _generation_error(error)
+            index, event = await events.get()
+            if index is _WATCHDOG:
+                raise event
+            if isinstance(event, BaseException):
+                if event is getattr(async_generator, "error", None) and not isinstance(event, APIError):
+                    raise _generator_failed(event)
+                raise _generation_error(event)
             timing.tokens(index, len(event.token_ids or []))
             if event.eos:
+                remaining -= 1
                 ended.add(index)
                 if event.eos_reason == "error":
                     message = getattr(event, "error", None) or "unknown error"
@@ -361,6 +335,8 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing", drain
             yield index, event
     finally:
         with anyio.CancelScope(shield=True):
+            if watchdog is not None:
+                watchdog.cancel()
             for async_job in async_jobs:
                 lm.jobs.discard(async_job)
                 if async_job.job.identifier not in ended:
@@ -370,14 +346,35 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing", drain
                         await async_job.cancel()
                     except Exception:
                         log.debug("cancel failed", exc_info=True)
-            if getter is not None:
-                getter.cancel()
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+            if watchdog is not None:
+                await asyncio.gather(watchdog, return_exceptions=True)
             if drain is not None:
                 drain.leave()
+
+
+_WATCHDOG = object()  # the tag of what the watchdog puts into a request's event queue
+
+
+async def _watch(events: asyncio.Queue, async_generator, drain) -> None:
+    """Put an APIError into `events` when the shutdown grace ends (checked every 0.25 s while draining) or when
+    the generator's worker thread has died (checked every second; its jobs normally get error events first,
+    this covers jobs it never took)."""
+    while True:
+        await asyncio.sleep(0.25 if drain is not None and drain.draining else 1.0)
+        if drain is not None and drain.expired:
+            events.put_nowait((_WATCHDOG, shutting_down(
+                "the server is shutting down: the shutdown grace period (network.shutdown_grace) ended before "
+                "this request finished")))
+            return
+        dead = getattr(async_generator, "error", None)
+        if dead is not None:
+            events.put_nowait((_WATCHDOG, _generator_failed(dead)))
+            return
+
+
+def _generator_failed(error: BaseException) -> APIError:
+    return APIError(503, f"the generator stopped ({type(error).__name__}: {error}); it is restarted for the next "
+                    f"request, try again", code="generator_failed")
 
 
 def _finished(async_job) -> bool:
