@@ -17,9 +17,6 @@ struct TrellisLayer {
   const uint16_t* tscale;  // fp16 bits, [N]
   int64_t N, K;
   TrellisCode code;
-  // Codes 2 and 3 only: the value of every state, int16 [2^L + 2] (the tail pads a 32-bit gather of the last
-  // entry); built once per layer by the ops for tables that gather (AVX2), nullptr for code 1.
-  const int16_t* codebook = nullptr;
 };
 
 struct TrellisKernels {

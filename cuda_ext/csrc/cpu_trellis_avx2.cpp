@@ -4,6 +4,7 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
+#include <string.h>
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -13,7 +14,7 @@ namespace cpu {
 namespace {
 namespace t_avx2 {
 #include "cpu_trellis_simd.inc"
-const TrellisKernels kTable = {"avx2", gemv, decode, nullptr};
+const TrellisKernels kTable = {"avx2", gemv, decode, gemv_q8};
 }  // namespace t_avx2
 }  // namespace
 const TrellisKernels* avx2_trellis() { return &t_avx2::kTable; }
@@ -32,7 +33,7 @@ namespace cpu {
 namespace {
 namespace t_avxvnni {
 #include "cpu_trellis_simd.inc"
-const TrellisKernels kTable = {"avxvnni", gemv, decode, nullptr};
+const TrellisKernels kTable = {"avxvnni", gemv, decode, gemv_q8};
 }  // namespace t_avxvnni
 }  // namespace
 const TrellisKernels* avxvnni_trellis() { return &t_avxvnni::kTable; }

@@ -72,11 +72,6 @@ class TrellisLinearCPU : public LinearCPU {
       TORCH_CHECK(tcode->device().is_cpu(), kWho, " (CPU kernels): tcode must be on the CPU, got ", tcode->device());
       tcode_ = tcode->contiguous();
       code_.tables = tcode_.data_ptr<int8_t>();
-      // every state's value, for the tables that gather (AVX2); +2 entries pad a 32-bit read of the last
-      const int n = 1 << code_.state_bits;
-      codebook_ = at::zeros({n + 2}, at::kShort);
-      int16_t* cb = codebook_.data_ptr<int16_t>();
-      for (int s = 0; s < n; ++s) cb[s] = int16_t(trellis_value(uint32_t(s), code_));
     }
     TORCH_CHECK(trellis.size(2) == tile_words(code_.bits), kWho, ": trellis has ", trellis.size(2),
                 " words per tile, ", code_.bits, "-bit tiles need ", tile_words(code_.bits));
@@ -199,7 +194,6 @@ class TrellisLinearCPU : public LinearCPU {
     L.N = N_;
     L.K = K_;
     L.code = code_;
-    L.codebook = codebook_.defined() ? codebook_.data_ptr<int16_t>() : nullptr;
     return L;
   }
 
@@ -222,7 +216,7 @@ class TrellisLinearCPU : public LinearCPU {
     y.mul_(tscale_.to(at::kFloat));
   }
 
-  at::Tensor trellis_, tscale_, su_, sv_, bias_, tcode_, codebook_;
+  at::Tensor trellis_, tscale_, su_, sv_, bias_, tcode_;
   int64_t N_ = 0, K_ = 0;
   TrellisCode code_{};
   const Kernels* kernels_ = nullptr;

@@ -41,7 +41,7 @@ class TrellisLinear(KernelLinear):
             optionally `bias`.
         exact: CPU only. False (default; env EXL_CPU_EXACT=1 flips it): the GEMV multiplies int8
             activations (per 32 channels, as QuantLinear's int8 path; about 0.5% RMS relative output
-            error) on the AVX-512 table, fp32 elsewhere; True: fp32 activations throughout.
+            error; the same bits on every CPU table); True: fp32 activations throughout.
         gemm_min_rows: CPU only. From this many input rows on, use tile decode + BLAS GEMM (rows
             below it take the batch-invariant GEMV). Default 17 (int8; 64 for codes 2 and 3), 32 (exact).
     """
