@@ -28,6 +28,21 @@ namespace {
 
 #define EXL_TINLINE inline __attribute__((always_inline))
 
+// Every cache line of the tile at w (32 KB bytes), ahead of its use.
+template <int KB>
+EXL_TINLINE void prefetch_tile(const uint32_t* w) {
+  const char* p = reinterpret_cast<const char*>(w);
+  for (int off = 0; off < 32 * KB; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  if ((32 * KB) % 64) _mm_prefetch(p + 32 * KB - 1, _MM_HINT_T0);
+}
+
+// Where tile row `row`'s GEMV prefetches, tile by tile: the same tile of row + TR (the next group of TR
+// rows decoded together) where that row is below i_end, else kTrellisPrefetchBytes ahead in its own row.
+// (Prefetching only ahead in its own row left the first 2 KiB of most rows of a group unfetched.)
+EXL_TINLINE const uint32_t* prefetch_base(const TrellisLayer& T, int64_t row, int TR, int64_t i_end, int64_t row_words) {
+  return row + TR < i_end ? T.words + (row + TR) * row_words : T.words + row * row_words + kTrellisPrefetchBytes / 4;
+}
+
 // Per K: for every column c, the two registers holding its words, the vpermt2d indexes that put
 // words a, a+1 (a = p/32 of lane 2q's window at bit p) into qword q, and the vpmultishiftqb
 // controls that cut lanes 2q and 2q+1's 16-bit windows out of that qword.
@@ -120,7 +135,7 @@ void tile_rows(const TrellisLayer& T, const float* x, int64_t M, float* y, int64
   for (int64_t j = 0; j < kt; ++j) {
     __m512i z[TR][nr];
     for (int t = 0; t < TR; ++t) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[t] + j * tw + 512), _MM_HINT_T0);
+      prefetch_tile<KB>(w[t] + j * tw + kTrellisPrefetchBytes / 4);
       load_tile<KB>(w[t] + j * tw, z[t]);
     }
 #pragma GCC unroll 16
@@ -190,7 +205,7 @@ void decode_l(const TrellisLayer& T, int64_t i0, int64_t i1, float* out, int64_t
 // row, x's bytes against the row's int8 activation repeated 4x: the byte sum and the product in one.
 template <int KB, bool FULL, int MR, int TR>
 void tile_rows_q8(const TrellisLayer& T, const int32_t* qq, const float* d, const int32_t* bsum, int64_t M, float* y,
-                  int64_t ldy, int64_t i) {
+                  int64_t ldy, int64_t i, int64_t i_end) {
   constexpr int tw = 8 * KB, nr = Plan<KB>::kRegs;
   const int64_t kt = T.K / kTile, nb = T.K / 32;
   const Consts k(T.code);
@@ -207,7 +222,11 @@ void tile_rows_q8(const TrellisLayer& T, const int32_t* qq, const float* d, cons
   for (int t = 0; t < TR; ++t)
     for (int m = 0; m < MR; ++m) acc[t][m] = _mm512_setzero_ps();
   const uint32_t* w[TR];
-  for (int t = 0; t < TR; ++t) w[t] = T.words + (i + t) * kt * tw;
+  const uint32_t* pf[TR];
+  for (int t = 0; t < TR; ++t) {
+    w[t] = T.words + (i + t) * kt * tw;
+    pf[t] = prefetch_base(T, i + t, TR, i_end, kt * tw);
+  }
   const __m512i centre = _mm512_set1_epi32(kTrellisCentre);
   for (int64_t b = 0; b < nb; ++b) {
     __m512i dot[TR][MR];
@@ -217,7 +236,7 @@ void tile_rows_q8(const TrellisLayer& T, const int32_t* qq, const float* d, cons
       const int64_t j = 2 * b + h;
       __m512i z[TR][nr];
       for (int t = 0; t < TR; ++t) {
-        _mm_prefetch(reinterpret_cast<const char*>(w[t] + j * tw + 512), _MM_HINT_T0);
+        prefetch_tile<KB>(pf[t] + j * tw);
         load_tile<KB>(w[t] + j * tw, z[t]);
       }
 #pragma GCC unroll 16
@@ -245,8 +264,8 @@ void rows_q8(const TrellisLayer& T, const int32_t* qq, const float* d, const int
              int64_t ldy, int64_t i0, int64_t i1) {
   constexpr int TR = MR <= 2 ? 2 : 1;
   int64_t i = i0;
-  for (; i + TR <= i1; i += TR) tile_rows_q8<KB, FULL, MR, TR>(T, qq, d, bsum, M, y, ldy, i);
-  for (; i < i1; ++i) tile_rows_q8<KB, FULL, MR, 1>(T, qq, d, bsum, M, y, ldy, i);
+  for (; i + TR <= i1; i += TR) tile_rows_q8<KB, FULL, MR, TR>(T, qq, d, bsum, M, y, ldy, i, i1);
+  for (; i < i1; ++i) tile_rows_q8<KB, FULL, MR, 1>(T, qq, d, bsum, M, y, ldy, i, i1);
 }
 
 template <int KB, bool FULL>
