@@ -28,7 +28,8 @@ from exl.modules.quant_linear import KernelLinear, _default_exact
 GEMM_MIN_ROWS_INT8 = 17
 GEMM_MIN_ROWS_EXACT = 32
 # the two-table codes' int8 GEMV decodes without multiplies; each extra row is two vpdpbusd per 64 weights, so it
-# beats the GEMM up to about 64 rows (docs/benchmarks.md, "Trellis-coded layers")
+# beats the GEMM up to about 64 rows on a Xeon (docs/benchmarks.md, "Trellis-coded layers"), and at every batch
+# size on AMD Zen 4, whose AVX-512 fp32 FMAs run at half width (the CPU kernel's `int8_gemm_min_rows` says which)
 GEMM_MIN_ROWS_INT8_TWO_TABLE = 64
 
 
@@ -43,7 +44,8 @@ class TrellisLinear(KernelLinear):
             activations (per 32 channels, as QuantLinear's int8 path; about 0.5% RMS relative output
             error; the same bits on every CPU table); True: fp32 activations throughout.
         gemm_min_rows: CPU only. From this many input rows on, use tile decode + BLAS GEMM (rows
-            below it take the batch-invariant GEMV). Default 17 (int8; 64 for codes 2 and 3), 32 (exact).
+            below it take the batch-invariant GEMV). Default 17 (int8; 64 for codes 2 and 3, and no GEMM
+            for them on AMD Zen 4, where their int8 GEMV is faster at every batch size), 32 (exact).
     """
 
     REQUIRED = ("trellis", "tscale", "tmeta", "su", "sv")
@@ -60,8 +62,24 @@ class TrellisLinear(KernelLinear):
                              f"{words.dtype} {list(words.shape)}")
         F.check_tables(self.meta, tensors.get("tcode"), "TrellisLinear")
         self.exact = _default_exact() if exact is None else exact
-        int8_rows = GEMM_MIN_ROWS_INT8_TWO_TABLE if self.meta.code in F.TWO_TABLE_CODES else GEMM_MIN_ROWS_INT8
-        self.gemm_min_rows = gemm_min_rows or (GEMM_MIN_ROWS_EXACT if self.exact else int8_rows)
+        self._gemm_min_rows = gemm_min_rows  # None: the default below
+
+    @property
+    def gemm_min_rows(self) -> int:
+        """CPU: from this many input rows on, tile decode + BLAS GEMM (given, else 32 exact, else the CPU
+        kernel's choice for its table and CPU: 17 for code 1, 64 for codes 2 and 3, none on AMD Zen 4)."""
+        if self._gemm_min_rows:
+            return self._gemm_min_rows
+        if self.exact:
+            return GEMM_MIN_ROWS_EXACT
+        k = self._kernel
+        if k and hasattr(k, "int8_gemm_min_rows"):
+            return k.int8_gemm_min_rows
+        return GEMM_MIN_ROWS_INT8_TWO_TABLE if self.meta.code in F.TWO_TABLE_CODES else GEMM_MIN_ROWS_INT8
+
+    @gemm_min_rows.setter
+    def gemm_min_rows(self, rows: int | None) -> None:
+        self._gemm_min_rows = rows
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, trellis K={self.meta.bits} L={self.meta.state_bits} code={self.meta.code}"
