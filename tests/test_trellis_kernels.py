@@ -231,6 +231,42 @@ def test_module_forward_equals_reference(ext, code):
     assert {n for n, _ in m.named_buffers()} == set(t)
 
 
+def _amd_zen4() -> bool:
+    """AMD family 19h with AVX-512 (Zen 4), read from /proc/cpuinfo: the C++ side asks cpuid."""
+    try:
+        info = open("/proc/cpuinfo").read().split("\n\n")[0]
+    except OSError:
+        return False
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in info.splitlines() if ":" in line)}
+    return (fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
+            and "avx512_vnni" in fields.get("flags", "").split())
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_gemm_min_rows_default_per_table_and_cpu(ext, code):
+    t = random_trellis(64, 64, 3, 12, code=code, bias=False)
+    for isa in isas():
+        rows = kernel(ext, t, isa).int8_gemm_min_rows
+        if code not in F.TWO_TABLE_CODES:
+            assert rows == 17, isa
+        elif isa == "avx512vnni" and _amd_zen4():
+            assert rows == 2**63 - 1  # the int8 GEMV at every batch size
+        else:
+            assert rows == 64, isa
+    m = TrellisLinear(t)
+    m.kernel()
+    assert m.gemm_min_rows == kernel(ext, t).int8_gemm_min_rows
+    assert TrellisLinear(t, exact=True).gemm_min_rows == 32
+    assert TrellisLinear(t, gemm_min_rows=5).gemm_min_rows == 5
+    m.gemm_min_rows = 9
+    assert m.gemm_min_rows == 9
+    # a batch past the default goes where the default says: the int8 GEMV's bits, or the GEMM's
+    x = torch.randn(80, 64)
+    k = kernel(ext, t)
+    path = "int8" if k.int8_gemm_min_rows > 80 else "gemm"
+    assert torch.equal(TrellisLinear(t)(x), k.forward(x, path, 10**9, False))
+
+
 def test_module_reference_path_when_asked(monkeypatch):
     import cuda_ext
 
