@@ -309,6 +309,8 @@ async def run_jobs(lm: LoadedModel, jobs: list, metrics, timing: "Timing", drain
             index, event = await events.get()
             if index is _WATCHDOG:
                 raise event
+            if drain is not None and drain.expired:  # before this event: a queued job that starts now ends with 503
+                raise _grace_over()
             if isinstance(event, BaseException):
                 if event is getattr(async_generator, "error", None) and not isinstance(event, APIError):
                     raise _generator_failed(event)
@@ -362,14 +364,17 @@ async def _watch(events: asyncio.Queue, async_generator, drain) -> None:
     while True:
         await asyncio.sleep(0.25 if drain is not None and drain.draining else 1.0)
         if drain is not None and drain.expired:
-            events.put_nowait((_WATCHDOG, shutting_down(
-                "the server is shutting down: the shutdown grace period (network.shutdown_grace) ended before "
-                "this request finished")))
+            events.put_nowait((_WATCHDOG, _grace_over()))
             return
         dead = getattr(async_generator, "error", None)
         if dead is not None:
             events.put_nowait((_WATCHDOG, _generator_failed(dead)))
             return
+
+
+def _grace_over() -> APIError:
+    return shutting_down("the server is shutting down: the shutdown grace period (network.shutdown_grace) ended "
+                         "before this request finished")
 
 
 def _generator_failed(error: BaseException) -> APIError:
