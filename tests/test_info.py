@@ -14,6 +14,7 @@ import torch
 
 from cuda_ext import build
 from exl import env
+from exl import format as F
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.kernels
@@ -48,6 +49,16 @@ def test_info_text_names_the_isa_and_a_bad_choice(ext):
     res = exl_info()
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"CPU instruction set: {best}" in res.stdout and "cpu kernels: built" in res.stdout
+    assert "trellis codes 2 and 3, batches (prefill): " in res.stdout
+    # the batch size from which trellis codes 2 and 3 take the GEMM: the kernel's own default (None: never)
+    cpu = json.loads(exl_info("--json").stdout)["extensions"]["cpu"]
+    meta = F.TrellisMeta(4, F.TWO_TABLE_STATE_BITS, code=3)
+    layer = ext.TrellisLinearCPU(torch.zeros(1, 1, meta.words_per_tile, dtype=torch.int32),
+                                 torch.ones(16, dtype=torch.float16), meta.to_tensor(), F.pack_signs(torch.ones(16)),
+                                 F.pack_signs(torch.ones(16)), None, tcode=F.two_table_default(3))
+    rows = layer.int8_gemm_min_rows
+    assert cpu["trellis_gemm_min_rows"] == (None if rows == 2**63 - 1 else rows)
+    assert (rows == 2**63 - 1) == ("int8 GEMV at every size" in res.stdout)
     bad = exl_info("--json", EXL_CPU_ISA="avx9000")
     assert "instruction set 'avx9000' is not available" in json.loads(bad.stdout)["extensions"]["cpu"]["isa_error"]
 

@@ -77,6 +77,15 @@ def _cpu_isa(ext) -> dict:
         out["isa"] = ext.QuantLinearCPU(t["qweight"], t["qscale"], t["qmeta"]).isa
     except RuntimeError as e:  # EXL_CPU_ISA names a table this CPU lacks
         out["isa_error"] = str(e).splitlines()[0]
+        return out
+    if hasattr(ext, "TrellisLinearCPU"):  # where trellis codes 2 and 3 switch from the int8 GEMV to the GEMM
+        meta = F.TrellisMeta(4, F.TWO_TABLE_STATE_BITS, code=3)
+        layer = ext.TrellisLinearCPU(torch.zeros(1, 1, meta.words_per_tile, dtype=torch.int32),
+                                     torch.ones(16, dtype=torch.float16), meta.to_tensor(),
+                                     F.pack_signs(torch.ones(16)), F.pack_signs(torch.ones(16)), None,
+                                     tcode=F.two_table_default(3))
+        rows = layer.int8_gemm_min_rows
+        out["trellis_gemm_min_rows"] = rows if rows < 2**62 else None  # None: the int8 GEMV at every batch size
     return out
 
 
@@ -119,6 +128,11 @@ def run(args) -> int:
         if kind == "cpu" and "isa_available" in e:
             chosen = e.get("isa") or f"error: {e.get('isa_error')}"
             print(f"  CPU instruction set: {chosen}   (available: {', '.join(e['isa_available'])})")
+            if "trellis_gemm_min_rows" in e:
+                rows = e["trellis_gemm_min_rows"]
+                print("  trellis codes 2 and 3, batches (prefill): " + (
+                    "int8 GEMV at every size (AVX-512 on 256-bit datapaths, AMD Zen 4)" if rows is None
+                    else f"tile decode + fp32 GEMM from {rows} rows, int8 GEMV below"))
         if e.get("error"):
             print("  " + e["error"].replace("\n", "\n  "))
     if not info["gpus"]:
