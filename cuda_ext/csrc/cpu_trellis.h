@@ -25,6 +25,14 @@ struct TrellisLayer {
 // 8 GB/s from DRAM at one thread where llama.cpp reaches 13.
 constexpr int kTrellisPrefetchBytes = 2048;
 
+// Every cache line of the tile at w (32 KB bytes), ahead of its use.
+template <int KB>
+inline void prefetch_tile(const uint32_t* w) {
+  const char* p = reinterpret_cast<const char*>(w);
+  for (int off = 0; off < 32 * KB; off += 64) __builtin_prefetch(p + off, 0, 3);
+  if ((32 * KB) % 64) __builtin_prefetch(p + 32 * KB - 1, 0, 3);
+}
+
 struct TrellisKernels {
   const char* name;
   // y[m, n] = tscale[n] * sum_k value(n, k) x[m, k] for the outputs of tile rows [i0, i1) (n = 16*i0 ..

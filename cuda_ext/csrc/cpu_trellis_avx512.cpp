@@ -28,14 +28,6 @@ namespace {
 
 #define EXL_TINLINE inline __attribute__((always_inline))
 
-// Every cache line of the tile at w (32 KB bytes), ahead of its use.
-template <int KB>
-EXL_TINLINE void prefetch_tile(const uint32_t* w) {
-  const char* p = reinterpret_cast<const char*>(w);
-  for (int off = 0; off < 32 * KB; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-  if ((32 * KB) % 64) _mm_prefetch(p + 32 * KB - 1, _MM_HINT_T0);
-}
-
 // Where tile row `row`'s GEMV prefetches, tile by tile: the same tile of row + TR (the next group of TR
 // rows decoded together) where that row is below i_end, else kTrellisPrefetchBytes ahead in its own row.
 // (Prefetching only ahead in its own row left the first 2 KiB of most rows of a group unfetched.)
