@@ -56,9 +56,9 @@ def test_info_text_names_the_isa_and_a_bad_choice(ext):
     layer = ext.TrellisLinearCPU(torch.zeros(1, 1, meta.words_per_tile, dtype=torch.int32),
                                  torch.ones(16, dtype=torch.float16), meta.to_tensor(), F.pack_signs(torch.ones(16)),
                                  F.pack_signs(torch.ones(16)), None, tcode=F.two_table_default(3))
-    rows = layer.int8_gemm_min_rows
-    assert cpu["trellis_gemm_min_rows"] == (None if rows == 2**63 - 1 else rows)
-    assert (rows == 2**63 - 1) == ("int8 GEMV at every size" in res.stdout)
+    every = layer.int8_every_batch
+    assert cpu["trellis_gemm_min_rows"] == (None if every else 64)
+    assert every == ("int8 GEMV at every size" in res.stdout)
     bad = exl_info("--json", EXL_CPU_ISA="avx9000")
     assert "instruction set 'avx9000' is not available" in json.loads(bad.stdout)["extensions"]["cpu"]["isa_error"]
 

@@ -246,16 +246,12 @@ def _amd_zen4() -> bool:
 def test_gemm_min_rows_default_per_table_and_cpu(ext, code):
     t = random_trellis(64, 64, 3, 12, code=code, bias=False)
     for isa in isas():
-        rows = kernel(ext, t, isa).int8_gemm_min_rows
-        if code not in F.TWO_TABLE_CODES:
-            assert rows == 17, isa
-        elif isa == "avx512vnni" and _amd_zen4():
-            assert rows == 2**63 - 1  # the int8 GEMV at every batch size
-        else:
-            assert rows == 64, isa
+        every = kernel(ext, t, isa).int8_every_batch
+        assert every == (code in F.TWO_TABLE_CODES and isa == "avx512vnni" and _amd_zen4()), isa
     m = TrellisLinear(t)
     m.kernel()
-    assert m.gemm_min_rows == kernel(ext, t).int8_gemm_min_rows
+    every = kernel(ext, t).int8_every_batch
+    assert m.gemm_min_rows == (17 if code not in F.TWO_TABLE_CODES else 2**63 - 1 if every else 64)
     assert TrellisLinear(t, exact=True).gemm_min_rows == 32
     assert TrellisLinear(t, gemm_min_rows=5).gemm_min_rows == 5
     m.gemm_min_rows = 9
@@ -263,7 +259,7 @@ def test_gemm_min_rows_default_per_table_and_cpu(ext, code):
     # a batch past the default goes where the default says: the int8 GEMV's bits, or the GEMM's
     x = torch.randn(80, 64)
     k = kernel(ext, t)
-    path = "int8" if k.int8_gemm_min_rows > 80 else "gemm"
+    path = "int8" if k.int8_every_batch else "gemm"  # the defaults otherwise (17, 64) are below 80 rows
     assert torch.equal(TrellisLinear(t)(x), k.forward(x, path, 10**9, False))
 
 

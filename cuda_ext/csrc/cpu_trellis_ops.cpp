@@ -6,7 +6,6 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
-#include <limits>
 #include <string>
 #include <vector>
 
@@ -120,14 +119,12 @@ class TrellisLinearCPU : public LinearCPU {
   // Whether this table has the int8-activation GEMV for this layer (K a multiple of 32).
   bool has_int8() const { return trellis_kernels_->gemv_q8 != nullptr && K_ % 32 == 0; }
 
-  // The default gemm_min_rows with int8 activations (docs/benchmarks.md): codes 2 and 3 on the AVX-512
-  // table of a core with 256-bit AVX-512 datapaths (Zen 4) never switch to the GEMM (their int8 GEMV
-  // was 1.5-2.7x faster than tile decode + fp32 GEMM from 64 to 512 rows there); elsewhere 64 for
-  // codes 2 and 3, 17 for code 1.
-  int64_t int8_gemm_min_rows() const {
-    if (!is_two_table(code_.code)) return 17;
-    const bool vbmi_gemv = std::string(trellis_kernels_->name) == "avx512vnni";
-    return vbmi_gemv && isa::avx512_half_width() ? std::numeric_limits<int64_t>::max() : 64;
+  // Whether the int8 GEMV beats tile decode + fp32 GEMM at every batch size (docs/benchmarks.md): codes 2
+  // and 3 on the AVX-512 table of a core with 256-bit AVX-512 datapaths (Zen 4), 1.5-2.7x from 64 to 512
+  // rows there. TrellisLinear then never switches to the GEMM.
+  bool int8_every_batch() const {
+    return is_two_table(code_.code) && std::string(trellis_kernels_->name) == "avx512vnni" &&
+           isa::avx512_half_width();
   }
 
   // path: "auto" (below gemm_min_rows rows the GEMV: int8 activations unless exact or unavailable,
@@ -250,8 +247,8 @@ void register_trellis(py::module_& m) {
            py::arg("exact") = false, py::call_guard<py::gil_scoped_release>())
       .def("decode", &TrellisLinearCPU::decode, "The code values [N, K] (exact integers as float32)")
       .def_property_readonly("has_int8", &TrellisLinearCPU::has_int8)
-      .def_property_readonly("int8_gemm_min_rows", &TrellisLinearCPU::int8_gemm_min_rows,
-                             "default gemm_min_rows with int8 activations on this table and CPU")
+      .def_property_readonly("int8_every_batch", &TrellisLinearCPU::int8_every_batch,
+                             "whether the int8 GEMV beats the GEMM at every batch size on this table and CPU")
       .def_property("isa", &TrellisLinearCPU::isa, &TrellisLinearCPU::set_isa)
       .def_property_readonly("in_features", &TrellisLinearCPU::in_features)
       .def_property_readonly("out_features", &TrellisLinearCPU::out_features);

@@ -79,13 +79,16 @@ def _cpu_isa(ext) -> dict:
         out["isa_error"] = str(e).splitlines()[0]
         return out
     if hasattr(ext, "TrellisLinearCPU"):  # where trellis codes 2 and 3 switch from the int8 GEMV to the GEMM
+        from exl.modules.trellis_linear import GEMM_NEVER, TrellisLinear
+
         meta = F.TrellisMeta(4, F.TWO_TABLE_STATE_BITS, code=3)
-        layer = ext.TrellisLinearCPU(torch.zeros(1, 1, meta.words_per_tile, dtype=torch.int32),
-                                     torch.ones(16, dtype=torch.float16), meta.to_tensor(),
-                                     F.pack_signs(torch.ones(16)), F.pack_signs(torch.ones(16)), None,
-                                     tcode=F.two_table_default(3))
-        rows = layer.int8_gemm_min_rows
-        out["trellis_gemm_min_rows"] = rows if rows < 2**62 else None  # None: the int8 GEMV at every batch size
+        layer = TrellisLinear({"trellis": torch.zeros(1, 1, meta.words_per_tile, dtype=torch.int32),
+                               "tscale": torch.ones(16, dtype=torch.float16), "tmeta": meta.to_tensor(),
+                               "su": F.pack_signs(torch.ones(16)), "sv": F.pack_signs(torch.ones(16)),
+                               "tcode": F.two_table_default(3)})
+        layer.kernel()
+        rows = layer.gemm_min_rows
+        out["trellis_gemm_min_rows"] = None if rows == GEMM_NEVER else rows  # None: the int8 GEMV at every size
     return out
 
 

@@ -29,8 +29,9 @@ GEMM_MIN_ROWS_INT8 = 17
 GEMM_MIN_ROWS_EXACT = 32
 # the two-table codes' int8 GEMV decodes without multiplies; each extra row is two vpdpbusd per 64 weights, so it
 # beats the GEMM up to about 64 rows on a Xeon (docs/benchmarks.md, "Trellis-coded layers"), and at every batch
-# size on AMD Zen 4, whose AVX-512 fp32 FMAs run at half width (the CPU kernel's `int8_gemm_min_rows` says which)
+# size on AMD Zen 4, whose AVX-512 fp32 FMAs run at half width (the CPU kernel's `int8_every_batch` says where)
 GEMM_MIN_ROWS_INT8_TWO_TABLE = 64
+GEMM_NEVER = 2**63 - 1  # a gemm_min_rows no batch reaches (int64 for the kernels)
 
 
 class TrellisLinear(KernelLinear):
@@ -66,16 +67,15 @@ class TrellisLinear(KernelLinear):
 
     @property
     def gemm_min_rows(self) -> int:
-        """CPU: from this many input rows on, tile decode + BLAS GEMM (given, else 32 exact, else the CPU
-        kernel's choice for its table and CPU: 17 for code 1, 64 for codes 2 and 3, none on AMD Zen 4)."""
+        """CPU: from this many input rows on, tile decode + BLAS GEMM (given, else 32 exact, else 17 for code 1
+        and 64 for codes 2 and 3, or GEMM_NEVER where the CPU kernel's int8 GEMV wins at every batch size)."""
         if self._gemm_min_rows:
             return self._gemm_min_rows
         if self.exact:
             return GEMM_MIN_ROWS_EXACT
-        k = self._kernel
-        if k and hasattr(k, "int8_gemm_min_rows"):
-            return k.int8_gemm_min_rows
-        return GEMM_MIN_ROWS_INT8_TWO_TABLE if self.meta.code in F.TWO_TABLE_CODES else GEMM_MIN_ROWS_INT8
+        if self.meta.code not in F.TWO_TABLE_CODES:
+            return GEMM_MIN_ROWS_INT8
+        return GEMM_NEVER if getattr(self._kernel or None, "int8_every_batch", False) else GEMM_MIN_ROWS_INT8_TWO_TABLE
 
     @gemm_min_rows.setter
     def gemm_min_rows(self, rows: int | None) -> None:
