@@ -135,10 +135,11 @@ def group_bits_and_offsets(segments: list[Segment]) -> tuple[torch.Tensor, torch
 
 
 def dequantize_codes(codes: torch.Tensor, qscale: torch.Tensor, segments: list[Segment], dtype=torch.float32):
-    """Codes [N, K] and scales [N, n_groups] -> the permuted, rotated matrix Q [N, K]."""
+    """Codes [N, K] and scales [N, n_groups] -> the permuted, rotated matrix Q [N, K], on the codes' device."""
     bits, groups = group_bits_and_offsets(segments)
-    centre = (2.0 ** bits.to(torch.float64) - 1) / 2
-    return ((codes.to(torch.float64) - centre) * qscale.to(torch.float64)[:, groups]).to(dtype)
+    centre = (2.0 ** bits.to(codes.device, torch.float64) - 1) / 2
+    scale = qscale.to(codes.device, torch.float64)[:, groups.to(codes.device)]
+    return ((codes.to(torch.float64) - centre) * scale).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------

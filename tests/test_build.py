@@ -211,7 +211,7 @@ def test_loading_a_model_with_a_broken_compiler_fails_clearly(tmp_path, smollm_d
     EXL_NO_EXT=1 runs the same command on the reference path."""
     env = {"CXX": failing_compiler(tmp_path), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     cmd = f"import sys; from exl.cli import main; sys.exit(main(['generate', '-m', {str(smollm_dir)!r}, '-p', 'Hi', " \
-          f"'--max-new-tokens', '2']))"
+          f"'--max-new-tokens', '2', '--device', 'cpu']))"  # the CPU kernels, on a GPU box too
     res = run_py(cmd, env)
     assert res.returncode == 2, res.stderr[-3000:]
     err = res.stderr

@@ -41,6 +41,17 @@ def test_mixed_segments_roundtrip():
     assert F.segments_from_meta(meta) == segs
 
 
+def test_dequantize_follows_the_codes_device():
+    """convert --device cuda dequantizes GPU codes with scales and segment tables made on the CPU: the
+    result lands on the codes' device (the meta device stands in for a GPU here)."""
+    segs = [F.Segment(64, 4, 32), F.Segment(32, 8, 32)]
+    codes = torch.randint(0, 16, (8, 96), dtype=torch.uint8)
+    scales = torch.rand(8, 3).half()
+    q = F.dequantize_codes(codes.to("meta"), scales, segs)
+    assert q.device.type == "meta" and q.shape == (8, 96)
+    assert F.dequantize_codes(codes, scales, segs).device.type == "cpu"
+
+
 def test_fwht_is_orthogonal_sylvester():
     h = F.hadamard_matrix(8)
     sylvester = torch.tensor([[1.0]], dtype=torch.float64)

@@ -48,7 +48,7 @@ def parse_gpu_split(text: str) -> list[float]:
 
 
 def add_parallel_arguments(parser) -> None:
-    """Add --tp, --gpu-split and --parallel-mode to a command's argument parser."""
+    """Add --device, --tp, --gpu-split and --parallel-mode to a command's argument parser."""
     import argparse
 
     def split_type(text):
@@ -57,6 +57,8 @@ def add_parallel_arguments(parser) -> None:
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
 
+    parser.add_argument("--device", default=None,
+                        help="torch device, e.g. cuda:0 or cpu (default: cuda if a GPU is visible, else cpu)")
     g = parser.add_argument_group("multiple devices (docs/parallel.md)")
     g.add_argument("--tp", type=int, default=None, metavar="N",
                    help="split the model over N devices, one process each (tensor parallel by default)")
