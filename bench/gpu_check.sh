@@ -180,9 +180,11 @@ print(json.dumps({
     "ok": not failed and clean(tests) and (device == "cpu" or clean(gpu_tests)),
     "device": gpus[0]["name"] if gpus and device == "cuda" else device,
     "torch": (info or {}).get("torch"), "seconds": int(secs), "gpu_tests": gpu_tests, "tests": tests,
-    "gemv": {k: gemv[k] for k in ("largest", "gbs", "copy_gbs", "fraction_of_copy", "spec_gbs", "fraction_of_spec")}
-            if gemv else None,
-    "trellis_gemv": [f"{r['shape']} c{r['code']} K{r['bits']}: {r['gbs']} GB/s" for r in gemv.get("trellis") or []]
-                    if gemv else None,
+    "gemv": {k: gemv.get(k) for k in ("largest", "gbs", "graph_gbs", "copy_gbs", "fraction_of_copy", "spec_gbs",
+                                      "fraction_of_spec")} if gemv else None,
+    "gemv_shapes": [f"{r['shape']}: {r['gbs']} GB/s, graph {r.get('graph_gbs')}" for r in gemv.get("shapes") or []]
+                   if gemv else None,
+    "trellis_gemv": [f"{r['shape']} c{r['code']} K{r['bits']}: {r['gbs']} GB/s, graph {r.get('graph_gbs')}"
+                     for r in gemv.get("trellis") or []] if gemv else None,
     "bench": tg or None, "serve": serve, "failed_steps": failed}))
 EOF
