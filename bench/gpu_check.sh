@@ -6,6 +6,7 @@
 #   {"ok", "device", "torch", "seconds", "gpu_tests": {passed, failed, errors, skipped}, "tests": {...},
 #    "gemv": {gbs, fraction_of_copy, fraction_of_spec, ...}, "trellis_gemv": ["NxK cC KB: GB/s", ...] (one-row
 #    trellis GEMV, codes 1, 2 and 3), "bench": {pp512, tg128}, "serve": {decode_tok_s, ...},
+#    "decode_profile": {ms_per_token, launches_per_token, syncs_per_token, device_busy_ms_per_token, ...},
 #    "failed_steps": [...]}
 # On an H200 (2026-12-04) the build took ~2.5 min and the conversion's measurement pass ~4 min: the whole
 # script needs ~12 min of a 15-minute lease. --measurement skips that pass.
@@ -123,6 +124,8 @@ step "gemv bandwidth" 120 sh -c "$PY bench/kernel_speed.py --json ${GEMV_ARGS[*]
 # -- 6. pp512 / tg128 and one `exl serve` stream on the 4.0 bpw model ------------------------------------------
 if [ -n "$MODEL" ] && [ -f "$MODEL/config.json" ]; then
   step "exl bench" $BENCH_SECS sh -c "$PY -m exl.cli bench -m '$MODEL' ${BENCH[*]} --json | tail -1 >'$OUT/bench.json'"
+  step "decode profile" 120 sh -c "$PY bench/decode_profile.py -m '$MODEL' --device $DEVICE -n 32 --json | tail -1 \
+    >'$OUT/profile.json'"
   PORT=$($PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
   log "exl serve on port $PORT"
   $PY -m exl.cli serve --model-dir "$(dirname "$MODEL")" --model "$(basename "$MODEL")" --port "$PORT" \
@@ -168,7 +171,7 @@ def junit(name):
 def clean(t):
     return bool(t) and t["failed"] == 0 and t["errors"] == 0
 tests, gpu_tests = junit("tests.xml"), junit("gpu_tests.xml")
-gemv, bench, serve, info = load("gemv.json"), load("bench.json"), None, load("info.json")
+gemv, bench, serve, info, prof = load("gemv.json"), load("bench.json"), None, load("info.json"), load("profile.json")
 if (out / "serve.json").exists():
     s = json.loads((out / "serve.json").read_text())
     tpot = s.get("mean_tpot_ms") or 0
@@ -186,5 +189,9 @@ print(json.dumps({
                    if gemv else None,
     "trellis_gemv": [f"{r['shape']} c{r['code']} K{r['bits']}: {r['gbs']} GB/s, graph {r.get('graph_gbs')}"
                      for r in gemv.get("trellis") or []] if gemv else None,
-    "bench": tg or None, "serve": serve, "failed_steps": failed}))
+    "bench": tg or None, "serve": serve,
+    "decode_profile": {k: v for k, v in prof.items() if k != "top_host_ops"} | {"top_host_ops": [
+        f"{o['op']}: {o['calls_per_token']} calls, {o['host_us_per_token']} us" for o in prof["top_host_ops"][:6]]}
+        if prof else None,
+    "failed_steps": failed}))
 EOF
