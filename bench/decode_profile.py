@@ -33,7 +33,6 @@ def profile_decode(model, n: int, top: int = 12) -> dict:
     gen = benchmark.make_generator(model, 0, n)
     cuda = next(model.parameters()).device.type == "cuda"
     benchmark.time_generation(gen, 8, seed=0)  # warm-up: kernels built, allocator primed
-    t0 = time.perf_counter()
     plain = benchmark.time_generation(gen, n, seed=1)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:

@@ -322,9 +322,10 @@ def trellis_gemv_rates(ext, sync, dev="cuda", shapes=TRELLIS_CUDA_SHAPES, cases=
             x = torch.randn(1, k, generator=g).half().to(dev)
             secs = best_time(lambda: q.forward(x, "gemv"), sync)
             nbytes = 4 * words.numel() + 2 * n + (tcode.numel() if tcode is not None else 0)
-            g = graph_time(lambda: q.forward(x, "gemv")) if dev == "cuda" else None
+            graph_secs = graph_time(lambda: q.forward(x, "gemv")) if dev == "cuda" else None
             out.append({"shape": f"{n}x{k}", "code": code, "bits": bits, "us": round(secs * 1e6, 2),
-                        "gbs": round(nbytes / secs / 1e9, 1), "graph_gbs": round(nbytes / g / 1e9, 1) if g else None})
+                        "gbs": round(nbytes / secs / 1e9, 1),
+                        "graph_gbs": round(nbytes / graph_secs / 1e9, 1) if graph_secs else None})
     return out
 
 
@@ -356,9 +357,9 @@ def gemv_json(args):
         row = {"shape": f"{n}x{k}", "bytes": packed_bytes(t), "us": round(secs * 1e6, 2),
                "gbs": round(packed_bytes(t) / secs / 1e9, 1)}
         if cuda:  # the same call without host overhead: launches replayed from a CUDA graph
-            g = graph_time(fn)
-            row.update(graph_us=round(g * 1e6, 2) if g else None,
-                       graph_gbs=round(packed_bytes(t) / g / 1e9, 1) if g else None)
+            graph_secs = graph_time(fn)
+            row.update(graph_us=round(graph_secs * 1e6, 2) if graph_secs else None,
+                       graph_gbs=round(packed_bytes(t) / graph_secs / 1e9, 1) if graph_secs else None)
         rows.append(row)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     spec = next((v for key, v in SPEC_GBS.items() if key in name), None)
