@@ -234,6 +234,20 @@ def trellis_options(args) -> dict:
             if v is not None}
 
 
+def reusable_measurement(path: Path, opts: dict) -> Path | None:
+    """`path` if it holds a measurement made with the quantizer options `opts` (convert refuses any other), else None
+    (the caller then measures afresh)."""
+    from quant.options import QuantOptions
+
+    if not path.is_file():
+        return None
+    made_with = json.loads(path.read_text()).get("options")
+    if made_with != QuantOptions(**opts).measurement_key():
+        print(f"not reusing {path}: measured with other options ({made_with})", flush=True)
+        return None
+    return path
+
+
 def exl_at_sizes(rot: Path, ev: Evaluator, kind: str, sizes, measurement: Path | None, opts: dict, label,
                  fresh: bool = False) -> list[dict]:
     """exl converted at each size in `sizes` with `opts` (folder name `label(size)`), from `measurement` (-m);
@@ -667,9 +681,8 @@ def peers_run(args) -> dict:
     results["rows"] += [r for r in recorded if r["kind"] == "peer" and r["label"] in others]
     sizes = sorted({round(r["bpw"], 4) for r in results["rows"] if r["kind"] == "peer" and not r.get("recorded")})
     if sizes and not args.peer_cached_only:
-        main_m = root() / "quality" / "exl-4.0" / "measurement.json"
         scalar_m = Path(args.scalar_measurement).expanduser() if args.scalar_measurement else \
-            main_m if main_m.is_file() else None
+            reusable_measurement(root() / "quality" / "exl-4.0" / "measurement.json", {"codes": "scalar"})
         results["rows"] += exl_at_sizes(rot, ev, "exl scalar", sizes, scalar_m, {"codes": "scalar"},
                                         lambda b: f"scalar-{b:g}")
         if args.peer_trellis:

@@ -128,3 +128,18 @@ def test_peer_record_keeps_earlier_rows_and_is_used_only_with_the_same_evaluatio
     assert "*recorded" in line and "| 0.0700 | 0.61 |" in line and "trellis-4.1389 (4.139): 0.0500 | 0.44 |" in line
     line = next(x for x in text.splitlines() if x.startswith("| autoround-4b-g128 |"))
     assert "trellis-4.1389 (4.139): 0.0500 | 0.51 |" in line
+
+
+def test_peer_rows_reuse_a_saved_measurement_only_when_it_was_made_with_their_options(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    quality = _load("quality_bench", ROOT / "bench" / "quality.py")
+    from quant.options import QuantOptions
+
+    path = tmp_path / "measurement.json"
+    assert quality.reusable_measurement(path, {"codes": "scalar"}) is None  # none saved
+    path.write_text(json.dumps({"version": 2, "layers": [], "options": QuantOptions().measurement_key()}))
+    assert QuantOptions().codes != "scalar"  # the default measurement prices trellis settings too
+    assert quality.reusable_measurement(path, {"codes": "scalar"}) is None
+    assert quality.reusable_measurement(path, {}) == path
+    path.write_text(json.dumps({"version": 2, "layers": [], "options": QuantOptions(codes="scalar").measurement_key()}))
+    assert quality.reusable_measurement(path, {"codes": "scalar"}) == path
