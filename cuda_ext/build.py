@@ -36,7 +36,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 CPU_SOURCES = ["cpu_ops.cpp", "cpu_isa.cpp", "cpu_pool.cpp", "cpu_scalar.cpp", "cpu_avx2.cpp", "cpu_avxvnni.cpp",
                "cpu_avx512.cpp", "cpu_fused.cpp", "cpu_step.cpp", "cpu_trellis_ops.cpp", "cpu_trellis_scalar.cpp",
                "cpu_trellis_avx2.cpp", "cpu_trellis_avx512.cpp", "trellis_encode.cpp"]
-CUDA_SOURCES = ["cuda_ops.cpp", "cuda_kernels.cu", "cuda_trellis_ops.cpp", "cuda_trellis.cu"]
+CUDA_SOURCES = ["cuda_ops.cpp", "cuda_kernels.cu", "cuda_trellis_ops.cpp", "cuda_trellis.cu", "cuda_attention.cu"]
 ISA_TABLES = ("scalar", "avx2", "avxvnni", "avx512vnni")  # what the CPU library carries (csrc/cpu_kernels.h)
 BASE_CXX_FLAGS = ("-O3", "-fno-math-errno", "-Wno-unused-function")
 # at::parallel_for is a header template: without -fopenmp it runs serially inside the extension.

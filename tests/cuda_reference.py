@@ -132,3 +132,42 @@ def assert_rel_close(got, want, tol, what):
     """max |got - want| <= tol * max |want|."""
     err = float((got.double().cpu() - want).abs().max())
     assert err <= tol * float(want.abs().max()), f"{what}: max err {err:.3e} vs scale {float(want.abs().max()):.3e}"
+
+
+def paged_attention_reference(q, k_store, v_store, pages, seqs, positions, page_size, scale, window=0, softcap=0.0):
+    """Plain-PyTorch paged attention (float64): row r of q [T, Hq, D] (sequence seqs[r], at positions[r]) attends
+    over positions max(0, pos - window + 1) .. pos of its sequence (from 0 when window <= 0); position p of
+    sequence s lies at slot pages[s, p // page_size] * page_size + p % page_size of k_store / v_store [Hk, slots, D]."""
+    t, hq, d = q.shape
+    hk = k_store.shape[0]
+    out = torch.empty(t, hq, d, dtype=torch.float64)
+    for r in range(t):
+        s, p = int(seqs[r]), int(positions[r])
+        lo = max(0, p - window + 1) if window > 0 else 0
+        ps = torch.arange(lo, p + 1)
+        slots = pages[s, ps // page_size] * page_size + ps % page_size
+        for h in range(hq):
+            kh = h // (hq // hk)
+            keys, values = k_store[kh, slots].double(), v_store[kh, slots].double()
+            scores = keys @ q[r, h].double() * scale
+            if softcap > 0:
+                scores = softcap * torch.tanh(scores / softcap)
+            out[r, h] = torch.softmax(scores, 0) @ values
+    return out
+
+
+def paged_case(hq, hk, d, dtype, *, page_size=8, lengths=(13, 21, 1), chunk=3, seed=0):
+    """A store of 12 pages per head, sequences with scattered (and one shared) pages, one query row per sequence
+    at its last position, plus the second sequence's last `chunk` positions again (a chunk, or drafts)."""
+    g = torch.Generator().manual_seed(seed)
+    n_slots = 12 * page_size
+    k = torch.randn(hk, n_slots, d, generator=g).to(dtype)
+    v = torch.randn(hk, n_slots, d, generator=g).to(dtype)
+    order = torch.randperm(12, generator=g)
+    p = -(-max(lengths) // page_size)
+    pages = torch.stack([order[(3 * i + torch.arange(p)) % 12] for i in range(len(lengths))])
+    pages[2, 0] = pages[0, 0]  # a shared page
+    seqs = [*range(len(lengths)), *[1] * chunk]
+    pos = [n - 1 for n in lengths] + list(range(lengths[1] - chunk, lengths[1]))
+    q = torch.randn(len(seqs), hq, d, generator=g).to(dtype)
+    return q, k, v, pages, torch.tensor(seqs), torch.tensor(pos)

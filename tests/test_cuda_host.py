@@ -13,7 +13,8 @@ import math
 
 import pytest
 import torch
-from cuda_reference import LAYER_KEYS, check_forward, kv_reference, kv_unpack, random_layer
+from cuda_reference import (LAYER_KEYS, check_forward, kv_reference, kv_unpack, paged_attention_reference, paged_case,
+                            random_layer)
 
 pytestmark = pytest.mark.kernels  # CI runs these under the newest torch too (.ci/run)
 
@@ -224,6 +225,107 @@ def test_fwht_binding_and_errors(host):
         layer.forward(torch.randn(1, 32).half(), "gemv")
     with pytest.raises(RuntimeError, match="must be a power of two <= 128"):
         host.fwht(x, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged attention (cuda_attention.cu) over a paged store, in place
+
+
+# (query heads, KV heads, head size, dtype, window, softcap): every GQA group and head-size template, both dtypes
+@pytest.mark.parametrize("hq,hk,d,dtype,window,softcap", [
+    (3, 1, 64, torch.float32, 0, 0.0), (9, 3, 64, torch.float16, 7, 0.0), (4, 4, 16, torch.float32, 0, 5.0),
+    (2, 1, 256, torch.float16, 0, 0.0), (10, 2, 80, torch.float16, 5, 30.0), (16, 2, 128, torch.float32, 0, 0.0)])
+def test_paged_attention_matches_the_reference(host, hq, hk, d, dtype, window, softcap):
+    q, k, v, pages, seqs, pos = paged_case(hq, hk, d, dtype, seed=hq + d)
+    scale = d**-0.5
+    got = host.paged_attention(q, k, v, pages, seqs, pos, 8, scale, window, softcap)
+    want = paged_attention_reference(q, k, v, pages, seqs, pos, 8, scale, window, softcap)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 2e-6 if dtype == torch.float32 else 2e-3
+    assert torch.allclose(got.double(), want, rtol=tol, atol=tol), (got.double() - want).abs().max()
+
+
+def test_paged_attention_row_does_not_depend_on_the_batch(host):
+    """Each row is computed alone, in one order: the same bits alone, batched or in a chunk (speculative
+    verification must equal plain decoding)."""
+    q, k, v, pages, seqs, pos = paged_case(9, 3, 64, torch.float16, lengths=(30, 17, 3), seed=3)
+    every = host.paged_attention(q, k, v, pages, seqs, pos, 8, 0.125)
+    for r in (0, 4, len(seqs) - 1):
+        alone = host.paged_attention(q[r : r + 1].contiguous(), k, v, pages, seqs[r : r + 1].contiguous(),
+                                     pos[r : r + 1].contiguous(), 8, 0.125)
+        assert torch.equal(alone[0], every[r])
+
+
+def test_paged_attention_bad_tables_give_nan_rows_and_bad_arguments_errors(host):
+    q, k, v, pages, seqs, pos = paged_case(4, 2, 32, torch.float32, seed=4)
+    bad_pages = pages.clone()
+    bad_pages[2, 0] = 99  # sequence 2 (row 2) reads a page the store does not have
+    bad_pos = pos.clone()
+    bad_pos[0] = pages.shape[1] * 8  # past sequence 0's page table
+    got = host.paged_attention(q, k, v, bad_pages, seqs, bad_pos, 8, 0.2)
+    want = paged_attention_reference(q, k, v, pages, seqs, pos, 8, 0.2)
+    assert bool(got[0].isnan().all()) and bool(got[2].isnan().all())
+    assert torch.allclose(got[1].double(), want[1], atol=2e-6) and not bool(got[3:].isnan().any())
+    with pytest.raises(RuntimeError, match="all float16 or all float32"):
+        host.paged_attention(q.half(), k, v, pages, seqs, pos, 8, 0.2)
+    with pytest.raises(RuntimeError, match="at most 8 and 256"):
+        host.paged_attention(torch.randn(1, 18, 32), k, v, pages, seqs[:1], pos[:1], 8, 0.2)
+    with pytest.raises(RuntimeError, match="pages must be a contiguous int64"):
+        host.paged_attention(q, k, v, pages.int(), seqs, pos, 8, 0.2)
+    with pytest.raises(RuntimeError, match="must divide"):
+        host.paged_attention(q, k, v, pages, seqs, pos, 7, 0.2)
+    assert host.paged_attention(q[:0], k, v, pages, seqs[:0], pos[:0], 8, 0.2).shape == (0, 4, 32)
+
+
+def test_paged_cache_attends_through_the_cuda_kernel(host, tmp_path, monkeypatch):
+    """The paged cache's GPU path (PagedContext: tables to the device, the binding's arguments) run here with the
+    harness standing in for the GPU: decode steps of three sequences (Gemma 3: sliding windows, softcap, GQA)
+    give the reference path's logits."""
+    import exl
+    from exl.cache import paged
+    from exl.modules import fused
+    from test_models import check_close, make_model
+
+    model = exl.load_model(make_model(tmp_path, "gemma3")[1], progress=False)
+    calls = []
+
+    class Harness:
+        def paged_attention(self, *args):
+            calls.append(len(args[4]))  # query rows
+            return host.paged_attention(*args)
+
+    monkeypatch.setattr(paged, "_cuda_ext", lambda: Harness())
+    monkeypatch.setattr(paged.PagedContext, "_in_place", lambda self, q: False)  # not the CPU kernel,
+    monkeypatch.setattr(paged.PagedContext, "decode_batch", lambda self: None)  # nor the CPU one-call decode step
+    monkeypatch.setattr(paged.PagedContext, "_cuda_in_place", lambda self, q: self._cuda_kernel_fits(q))
+
+    def decode(prompts, steps):
+        cache = paged.PagedCache(model, num_pages=24, page_size=4)
+        tables = []
+        for p in prompts:
+            t = cache.open(p, len(p) + len(steps))
+            cache.extend(t, len(p))
+            model(torch.tensor([p]), ctx=paged.PagedContext(cache, [(t, len(p))]))
+            cache.commit(t, p)
+            tables.append(t)
+        out = []
+        for last in steps:
+            for t in tables:
+                cache.extend(t, 1)
+            out.append(model(torch.tensor([last]), ctx=paged.PagedContext(cache, [(t, 1) for t in tables])))
+            for t, tok in zip(tables, last):
+                cache.commit(t, [tok])
+        return torch.stack(out)
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (9, 3, 6)]
+    steps = torch.randint(0, 200, (3, 3), generator=g).tolist()
+    got = decode(prompts, steps)
+    layers = model.config.num_layers  # every layer of every prompt (9, 3, 6 rows) and decode step (3 rows)
+    assert calls == [9] * layers + [3] * layers + [6] * layers + [3] * 3 * layers
+    with fused.disabled():
+        want = decode(prompts, steps)
+    check_close(got, want, 1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 // Torch bindings of the CUDA kernels (cuda_kernels.cu): the forward pipeline of docs/format.md
-// §1.4 on fp16 activations, plus the Hadamard transform and the quantized KV cache (§6).
+// §1.4 on fp16 activations, plus the Hadamard transform, the quantized KV cache (§6) and paged attention.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -7,6 +7,7 @@
 
 #include <string>
 
+#include "cuda_attention.h"
 #include "cuda_kernels.h"
 #include "layer.h"
 
@@ -208,13 +209,59 @@ torch::Tensor kv_dequantize(const torch::Tensor& packed, const torch::Tensor& sc
   return out;
 }
 
+// Query rows q [T, hq, D] attend causally over their pages of one layer's store k, v [hk, slots, D], in place
+// (cuda_attention.h says how rows, positions, windows and pages are read). q, k, v: all float16 or all
+// float32 on one device; pages [S, P], seqs [T], positions [T]: int64 on that device (they are read there,
+// so nothing waits for the GPU; a row whose table entries are out of range comes out NaN). Returns [T, hq, D].
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_store, const torch::Tensor& v_store,
+                              const torch::Tensor& pages, const torch::Tensor& seqs, const torch::Tensor& positions,
+                              int64_t page_size, double scale, int64_t window, double softcap) {
+  for (const auto& [t, name] : {std::pair<const torch::Tensor*, const char*>{&q, "q"}, {&k_store, "k_store"},
+                                {&v_store, "v_store"}}) {
+    check_cuda(*t, name);
+    TORCH_CHECK(t->dim() == 3 && t->is_contiguous() && t->scalar_type() == q.scalar_type() &&
+                    (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kFloat),
+                "exl paged_attention: q, k_store and v_store must be contiguous 3-d tensors, all float16 or all "
+                "float32; ", name, " is ", t->scalar_type(), " ", t->sizes());
+    TORCH_CHECK(t->device() == q.device(), "exl paged_attention: ", name, " is on ", t->device(), ", q on ",
+                q.device());
+  }
+  const int64_t T = q.size(0), hq = q.size(1), d = q.size(2), hk = k_store.size(0), n_slots = k_store.size(1);
+  TORCH_CHECK(v_store.sizes() == k_store.sizes() && k_store.size(2) == d && hk > 0 && hq % hk == 0,
+              "exl paged_attention: stores ", k_store.sizes(), " / ", v_store.sizes(), " do not fit q ", q.sizes());
+  TORCH_CHECK(hq / hk <= kAttnMaxGroup && d <= kAttnMaxHeadDim, "exl paged_attention: ", hq / hk,
+              " query heads per KV head and head size ", d, " (at most ", kAttnMaxGroup, " and ", kAttnMaxHeadDim,
+              "); use the reference attention");
+  TORCH_CHECK(page_size > 0 && n_slots % page_size == 0, "exl paged_attention: page_size ", page_size,
+              " must divide the store's ", n_slots, " slots");
+  TORCH_CHECK(pages.scalar_type() == torch::kLong && pages.dim() == 2 && pages.is_contiguous() &&
+                  pages.device() == q.device(),
+              "exl paged_attention: pages must be a contiguous int64 [sequences, pages] table on ", q.device(),
+              ", got ", pages.scalar_type(), " ", pages.sizes(), " on ", pages.device());
+  for (const auto& [t, name] : {std::pair<const torch::Tensor*, const char*>{&seqs, "seqs"}, {&positions, "positions"}})
+    TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous() && t->numel() == T && t->device() == q.device(),
+                "exl paged_attention: ", name, " must be a contiguous int64 tensor of ", T, " entries (one per query "
+                "row) on ", q.device(), ", got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto out = torch::empty_like(q);
+  launch_paged_attention(q.data_ptr(), k_store.data_ptr(), v_store.data_ptr(), q.scalar_type() == torch::kHalf,
+                         pages.data_ptr<int64_t>(), pages.size(0), pages.size(1), seqs.data_ptr<int64_t>(),
+                         positions.data_ptr<int64_t>(), T, int(hq), int(hk), int(d), n_slots, int(page_size),
+                         float(scale), int(window), float(softcap), out.data_ptr(), stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 }  // namespace
 
 void bind(pybind11::module_& m) {
-  m.doc() = "exl CUDA kernels: fused dequant GEMV, GEMM via cuBLAS, Hadamard, quantized KV cache";
+  m.doc() = "exl CUDA kernels: fused dequant GEMV, GEMM via cuBLAS, Hadamard, quantized KV cache, paged attention";
   void register_trellis_cuda(pybind11::module_&); register_trellis_cuda(m);  // cuda_trellis_ops.cpp
   m.def("fwht", &exl::cuda::fwht, py::arg("x"), py::arg("block") = 0, py::arg("signs") = py::none(),
         py::arg("signs_first") = true);
+  m.def("paged_attention", &exl::cuda::paged_attention, py::arg("q"), py::arg("k_store"), py::arg("v_store"),
+        py::arg("pages"), py::arg("seqs"), py::arg("positions"), py::arg("page_size"), py::arg("scale"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("kv_quantize", &exl::cuda::kv_quantize, py::arg("x"), py::arg("bits"), py::arg("signs") = py::none());
   m.def("kv_dequantize", &exl::cuda::kv_dequantize, py::arg("packed"), py::arg("scales"), py::arg("bits"),
         py::arg("rotate") = false, py::arg("signs") = py::none());

@@ -547,15 +547,26 @@ class PagedContext(AttentionContext):
             self._batched = _Batched.build(self.segments, self.cache.device)
         return self._batched
 
-    @cached_property
-    def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What the C++ paged attention reads: the page tables [S, P], each new token's sequence and position."""
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The page tables [S, P] and each new token's sequence [T], on the CPU."""
         tables = self.tables
         pages = np.zeros((len(tables), max(len(t.pages) for t in tables)), dtype=np.int64)
         for i, t in enumerate(tables):
             pages[i, : len(t.pages)] = t.pages
         seqs = np.repeat(np.arange(len(tables), dtype=np.int64), self.counts)
-        return torch.from_numpy(pages), torch.from_numpy(seqs), self.positions[0].cpu()
+        return torch.from_numpy(pages), torch.from_numpy(seqs)
+
+    @cached_property
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the C++ paged attention reads: the page tables [S, P], each new token's sequence and position."""
+        return *self._tables(), self.positions[0].cpu()
+
+    @cached_property
+    def device_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`rows` on the cache's device, for the CUDA paged attention (copied there once per forward pass)."""
+        pages, seqs = self._tables()
+        dev = self.cache.device
+        return pages.to(dev), seqs.to(dev), self.positions[0].contiguous()
 
     def _in_place(self, q) -> bool:
         """Every row attends in one C++ call, reading a float32 store where it lies (cpu_fused.cpp's
@@ -563,6 +574,21 @@ class PagedContext(AttentionContext):
         c = self.cache
         return fused.ops(q) is not None and c.device.type == "cpu" and type(c.k) is FloatStore \
             and type(c.v) is FloatStore and c.k.data.dtype is torch.float32 and c.v.data.dtype is torch.float32
+
+    def _cuda_in_place(self, q) -> bool:
+        """Decode steps and drafts on a GPU attend in one launch over a float16/float32 store where it lies
+        (cuda_attention.cu; GQA groups up to 8, heads up to 256); longer prompt chunks take SDPA over their runs.
+        fused.disabled() (the reference path) turns it off."""
+        return q.is_cuda and self._cuda_kernel_fits(q)
+
+    def _cuda_kernel_fits(self, q) -> bool:
+        c = self.cache
+        if not fused.enabled() or max(self.counts) > BATCHED_MAX_QUERIES or type(c.k) is not FloatStore \
+                or type(c.v) is not FloatStore:
+            return False
+        hq, d, hk = q.shape[2], q.shape[3], c.k.data.shape[1]
+        return q.dtype in (torch.float16, torch.float32) and c.k.data.dtype is q.dtype and c.v.data.dtype is q.dtype \
+            and hq % hk == 0 and hq // hk <= 8 and d <= 256
 
     def attend(self, layer, q, k, v, *, scale, window=None, softcap=None):
         c = self.cache
@@ -572,6 +598,10 @@ class PagedContext(AttentionContext):
             pages, seqs, pos = self.rows
             return fused.ops(q).paged_attention(q[0], c.k.data[layer], c.v.data[layer], pages, seqs, pos,
                                                 c.page_size, scale, window or 0, softcap or 0.0)[None]
+        if self._cuda_in_place(q):
+            pages, seqs, pos = self.device_rows
+            return _cuda_ext().paged_attention(q[0].contiguous(), c.k.data[layer], c.v.data[layer], pages, seqs, pos,
+                                               c.page_size, scale, window or 0, softcap or 0.0)[None]
         if c.k.rotated:
             q = q @ c.rotation_c
         out = torch.empty_like(q)
@@ -672,6 +702,12 @@ class _Batched:
         if self.valid is not None:
             o = o.index_select(0, self.valid)
         out.index_copy_(0, self.out_rows, o)
+
+
+def _cuda_ext():
+    import cuda_ext
+
+    return cuda_ext.cuda()
 
 
 def _attend_runs(q, keys, values, mask, scale, softcap):

@@ -6,7 +6,8 @@ the extension module when x is a float32 CPU tensor, autograd is off (the fused 
 backward; `CausalLM.forward` runs in inference mode) and the fast path is on, else None (then the
 reference code runs). An extension that cannot be built raises (cuda_ext.ExtensionBuildError);
 EXL_NO_EXT=1 (no extension at all) also turns the fast path off. `disabled()` turns the fast path off for a block
-of code (tests and benchmarks compare both paths); EXL_NO_FUSED=1 turns it off for the process.
+of code (tests and benchmarks compare both paths); EXL_NO_FUSED=1 turns it off for the process. The same switch
+turns off the paged cache's CUDA attention (exl.cache.paged), so `disabled()` is the reference path on a GPU too.
 """
 
 from __future__ import annotations

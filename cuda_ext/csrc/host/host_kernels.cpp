@@ -3,3 +3,4 @@
 
 #include "../cuda_kernels.cu"
 #include "../cuda_trellis.cu"
+#include "../cuda_attention.cu"
