@@ -488,7 +488,8 @@ class PagedContext(AttentionContext):
             pos = np.array(self.starts, dtype=np.int64)
         else:
             pos = np.concatenate([np.arange(s, s + n) for s, n in zip(self.starts, self.counts)])
-        super().__init__(torch.from_numpy(pos).to(cache.device)[None])
+        self._pos = pos
+        super().__init__(_to_device(pos, cache.device)[None])
         self._masks: dict = {}
 
     # What the module-by-module path reads (the one-call decode step needs neither): built on first use.
@@ -502,10 +503,9 @@ class PagedContext(AttentionContext):
     def slots(self) -> torch.Tensor:
         """The slot of every new token, in packed-batch order."""
         ps = self.cache.page_size
-        p = self.positions[0].cpu().numpy()
         pages = np.concatenate([np.asarray(t.pages, dtype=np.int64)[np.arange(s, s + n) // ps]
                                 for t, s, n in zip(self.tables, self.starts, self.counts)])
-        return torch.from_numpy(pages * ps + p % ps).to(self.cache.device)
+        return _to_device(pages * ps + self._pos % ps, self.cache.device)
 
     def decode_batch(self):
         """One new token of every sequence over a float32 store: the one-call decode step's paged view
@@ -547,28 +547,26 @@ class PagedContext(AttentionContext):
             self._batched = _Batched.build(self.segments, self.cache.device)
         return self._batched
 
-    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The page tables [S, P] and each new token's sequence [T], on the CPU."""
+    def _tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """The page tables [S, P] and each new token's sequence [T]."""
         tables = self.tables
         pages = np.zeros((len(tables), max(len(t.pages) for t in tables)), dtype=np.int64)
         for i, t in enumerate(tables):
             pages[i, : len(t.pages)] = t.pages
         seqs = np.repeat(np.arange(len(tables), dtype=np.int64), self.counts)
-        return torch.from_numpy(pages), torch.from_numpy(seqs)
+        return pages, seqs
 
     @cached_property
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What the C++ paged attention reads: the page tables [S, P], each new token's sequence and position."""
-        return *self._tables(), self.positions[0].cpu()
+        pages, seqs = self._tables()
+        return torch.from_numpy(pages), torch.from_numpy(seqs), torch.from_numpy(self._pos)
 
     @cached_property
     def device_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`rows` on the cache's device, for the CUDA paged attention: copied there once per forward pass, from
-        pinned memory without waiting for the GPU (torch's host allocator keeps the source until the copy is done)."""
-        dev = self.cache.device
-        pin = dev.type == "cuda"  # (the host harness's tests run this on the CPU)
-        pages, seqs = (t.pin_memory().to(dev, non_blocking=True) if pin else t for t in self._tables())
-        return pages, seqs, self.positions[0].contiguous()
+        """`rows` on the cache's device, for the CUDA paged attention (copied there once per forward pass)."""
+        pages, seqs = self._tables()
+        return _to_device(pages, self.cache.device), _to_device(seqs, self.cache.device), self.positions[0]
 
     def _in_place(self, q) -> bool:
         """Every row attends in one C++ call, reading a float32 store where it lies (cpu_fused.cpp's
@@ -704,6 +702,13 @@ class _Batched:
         if self.valid is not None:
             o = o.index_select(0, self.valid)
         out.index_copy_(0, self.out_rows, o)
+
+
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`; to a GPU from pinned memory, without waiting for the stream (torch's host
+    allocator keeps the pinned source until the copy is done)."""
+    t = torch.from_numpy(a)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def _cuda_ext():
