@@ -7,6 +7,7 @@
 #    "gemv": {gbs, fraction_of_copy, fraction_of_spec, ...}, "trellis_gemv": ["NxK cC KB: GB/s", ...] (one-row
 #    trellis GEMV, codes 1, 2 and 3), "bench": {pp512, tg128}, "serve": {decode_tok_s, ...},
 #    "decode_profile": {ms_per_token, launches_per_token, syncs_per_token, device_busy_ms_per_token, ...},
+#    "decode_profile_reference_attention": the same with EXL_NO_FUSED=1 (the paged cache's reference attention),
 #    "failed_steps": [...]}
 # On an H200 (2026-12-04) the build took ~2.5 min and the conversion's measurement pass ~4 min: the whole
 # script needs ~12 min of a 15-minute lease. --measurement skips that pass.
@@ -126,6 +127,10 @@ if [ -n "$MODEL" ] && [ -f "$MODEL/config.json" ]; then
   step "exl bench" $BENCH_SECS sh -c "$PY -m exl.cli bench -m '$MODEL' ${BENCH[*]} --json | tail -1 >'$OUT/bench.json'"
   step "decode profile" 120 sh -c "$PY bench/decode_profile.py -m '$MODEL' --device $DEVICE -n 32 --json | tail -1 \
     >'$OUT/profile.json'"
+  # the same without the fused paths (EXL_NO_FUSED=1: on cuda, the paged cache's reference attention instead of
+  # cuda_attention.cu), to see what the one-launch attention saves per token
+  step "decode profile, reference attention" 120 sh -c "EXL_NO_FUSED=1 $PY bench/decode_profile.py -m '$MODEL' \
+    --device $DEVICE -n 32 --json | tail -1 >'$OUT/profile_ref.json'"
   PORT=$($PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
   log "exl serve on port $PORT"
   $PY -m exl.cli serve --model-dir "$(dirname "$MODEL")" --model "$(basename "$MODEL")" --port "$PORT" \
@@ -172,6 +177,7 @@ def clean(t):
     return bool(t) and t["failed"] == 0 and t["errors"] == 0
 tests, gpu_tests = junit("tests.xml"), junit("gpu_tests.xml")
 gemv, bench, serve, info, prof = load("gemv.json"), load("bench.json"), None, load("info.json"), load("profile.json")
+prof_ref = load("profile_ref.json")
 if (out / "serve.json").exists():
     s = json.loads((out / "serve.json").read_text())
     tpot = s.get("mean_tpot_ms") or 0
@@ -193,5 +199,7 @@ print(json.dumps({
     "decode_profile": {k: v for k, v in prof.items() if k != "top_host_ops"} | {"top_host_ops": [
         f"{o['op']}: {o['calls_per_token']} calls, {o['host_us_per_token']} us" for o in prof["top_host_ops"][:6]]}
         if prof else None,
+    "decode_profile_reference_attention": {k: v for k, v in prof_ref.items() if k != "top_host_ops"}
+        if prof_ref else None,
     "failed_steps": failed}))
 EOF

@@ -9,8 +9,9 @@ import os
 EXL_VARS: dict[str, tuple[str, str]] = {
     "EXL_NO_EXT": ("unset", "`1`: run without the compiled kernels, on the slow plain-PyTorch reference path (on purpose; "
                             "otherwise a kernel build failure is an error)"),
-    "EXL_NO_FUSED": ("unset", "`1`: float32 CPU models run the plain-PyTorch ops instead of the fused CPU ops "
-                              "(the quantized linears still use the extension)"),
+    "EXL_NO_FUSED": ("unset", "`1`: float32 CPU models run the plain-PyTorch ops instead of the fused CPU ops, and "
+                              "the paged cache attends with plain-PyTorch ops on a GPU too (the quantized linears "
+                              "still use the extension)"),
     "EXL_CPU_ISA": ("best available", "instruction set of the quantized CPU linears and the fused CPU ops: `scalar`, "
                                       "`avx2`, `avxvnni` or `avx512vnni` (one this CPU supports; `exl info` lists them)"),
     "EXL_CPU_EXACT": ("`0`", "`1`: quantized CPU linears multiply small batches in exact fp32 instead of with "
