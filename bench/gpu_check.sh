@@ -193,8 +193,12 @@ print(json.dumps({
                                       "fraction_of_spec")} if gemv else None,
     "gemv_shapes": [f"{r['shape']}: {r['gbs']} GB/s, graph {r.get('graph_gbs')}" for r in gemv.get("shapes") or []]
                    if gemv else None,
+    "attention_error": gemv.get("attention_error") if gemv else None,
     "trellis_gemv": [f"{r['shape']} c{r['code']} K{r['bits']}: {r['gbs']} GB/s, graph {r.get('graph_gbs')}"
                      for r in gemv.get("trellis") or []] if gemv else None,
+    "attention": [f"{r['sequences']}x{r['context']}: {r['us']} us ({r['gbs']} GB/s), graph {r['graph_us']} us, "
+                  f"SDPA contiguous {r['sdpa_contiguous_us']} us" for r in gemv.get("attention") or []]
+                 if gemv else None,
     "bench": tg or None, "serve": serve,
     "decode_profile": {k: v for k, v in prof.items() if k != "top_host_ops"} | {"top_host_ops": [
         f"{o['op']}: {o['calls_per_token']} calls, {o['host_us_per_token']} us" for o in prof["top_host_ops"][:6]]}

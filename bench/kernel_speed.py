@@ -5,7 +5,8 @@
     python bench/kernel_speed.py --isas avxvnni,avx512vnni [--model DIR]   # int8 GEMV per instruction set
     python bench/kernel_speed.py --trellis [--isas avx2,avx512vnni]   # trellis GEMV vs 4-bit scalar, per ISA
     python bench/kernel_speed.py [--cuda] --json   # one JSON line: decode GEMV GB/s against the device's bandwidth
-                                              # (with --cuda also the trellis GEMV, codes 1, 2 and 3)
+                                              # (with --cuda also the trellis GEMV, codes 1, 2 and 3, and the
+                                              # paged decode attention against torch's SDPA)
 
 The --isas mode times the int8-activation GEMV of each instruction set on SmolLM2's real segment
 mixes (hot, one row; the cost of each extra activation row from 2 to 16 rows) and, with --model,
@@ -329,6 +330,38 @@ def trellis_gemv_rates(ext, sync, dev="cuda", shapes=TRELLIS_CUDA_SHAPES, cases=
     return out
 
 
+ATTENTION_CUDA_CASES = [(1, 512), (1, 4096), (1, 16384), (8, 4096)]  # (sequences, context) of one decode step
+
+
+def attention_rates(ext, sync, cases=ATTENTION_CUDA_CASES, hq=32, hk=8, d=128, page_size=256):
+    """One decode step's paged attention (cuda_attention.cu, float16, Llama-3-8B heads) per (sequences, context):
+    microseconds, GB/s of keys and values read, and the same read through torch's SDPA over contiguous K/V
+    (the peer: what a non-paged cache would cost)."""
+    out = []
+    for b, ctx in cases:
+        pages_per_seq = -(-ctx // page_size)
+        n_slots = b * pages_per_seq * page_size
+        k = torch.randn(hk, n_slots, d, device="cuda").half()
+        v = torch.randn(hk, n_slots, d, device="cuda").half()
+        pages = torch.randperm(b * pages_per_seq, device="cuda").view(b, pages_per_seq)  # scattered pages
+        seqs = torch.arange(b, device="cuda")
+        pos = torch.full((b,), ctx - 1, device="cuda")
+        q = torch.randn(b, hq, d, device="cuda").half()
+        fn = lambda: ext.paged_attention(q, k, v, pages, seqs, pos, page_size, d**-0.5)  # noqa: E731
+        secs = best_time(fn, sync)
+        graph_secs = graph_time(fn)
+        kc = k[:, : b * ctx].view(hk, b, ctx, d).transpose(0, 1)  # [b, hk, ctx, d]
+        vc = v[:, : b * ctx].view(hk, b, ctx, d).transpose(0, 1)
+        qs = q.view(b, hq, 1, d)
+        sdpa = best_time(lambda: torch.nn.functional.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True), sync)
+        nbytes = 2 * b * ctx * hk * d * 2
+        out.append({"sequences": b, "context": ctx, "us": round(secs * 1e6, 1), "gbs": round(nbytes / secs / 1e9, 1),
+                    "graph_us": round(graph_secs * 1e6, 1) if graph_secs else None,
+                    "graph_gbs": round(nbytes / graph_secs / 1e9, 1) if graph_secs else None,
+                    "sdpa_contiguous_us": round(sdpa * 1e6, 1)})
+    return out
+
+
 def gemv_json(args):
     """One JSON line: the one-row GEMV (decode) of each shape, in GB/s of packed weights streamed, and the
     largest shape's rate as a fraction of the device's copy bandwidth (read + write) and of its datasheet.
@@ -365,11 +398,17 @@ def gemv_json(args):
     spec = next((v for key, v in SPEC_GBS.items() if key in name), None)
     largest = max(rows, key=lambda r: r["bytes"])
     trellis = trellis_gemv_rates(ext, sync) if cuda else None  # the CPU trellis kernels: --trellis
+    attention, attention_error = None, None
+    if cuda:
+        try:  # a failure here must not cost the GEMV figures above
+            attention = attention_rates(ext, sync)
+        except Exception as e:  # noqa: BLE001 - reported in the JSON line
+            attention_error = f"{type(e).__name__}: {e}"
     print(json.dumps({"device": name, "bits": args.bits, "copy_gbs": round(copy, 1), "spec_gbs": spec,
                       "largest": largest["shape"], "gbs": largest["gbs"], "graph_gbs": largest.get("graph_gbs"),
                       "fraction_of_copy": round(largest["gbs"] / copy, 3),
                       "fraction_of_spec": round(largest["gbs"] / spec, 3) if spec else None, "shapes": rows,
-                      "trellis": trellis}))
+                      "trellis": trellis, "attention": attention, "attention_error": attention_error}))
 
 
 def main():
