@@ -256,6 +256,32 @@ def test_paged_attention_row_does_not_depend_on_the_batch(host):
         assert torch.equal(alone[0], every[r])
 
 
+def test_paged_attention_over_several_chunks(host):
+    """Tables longer than one chunk (256 positions) split each row's keys over blocks and combine them: the same as
+    the reference, with windows across chunk borders, and the same bits whatever the table's width (a row's chunks
+    are absolute positions; chunks it does not reach add zeros), so also the same as a one-chunk launch."""
+    g = torch.Generator().manual_seed(11)
+    ps, hq, hk, d = 16, 4, 2, 32
+    n_pages = 48
+    k = torch.randn(hk, n_pages * ps, d, generator=g).half()
+    v = torch.randn(hk, n_pages * ps, d, generator=g).half()
+    pages = torch.randperm(n_pages, generator=g)[:40].view(2, 20)  # 2 sequences of up to 320 positions
+    seqs, pos = torch.tensor([0, 1, 1]), torch.tensor([300, 250, 319])
+    q = torch.randn(3, hq, d, generator=g).half()
+    for window in (0, 100):
+        got = host.paged_attention(q, k, v, pages, seqs, pos, ps, 0.2, window)
+        want = paged_attention_reference(q, k, v, pages, seqs, pos, ps, 0.2, window)
+        assert torch.allclose(got.double(), want, rtol=2e-3, atol=2e-3), (got.double() - want).abs().max()
+    # row 1 (position 250) alone with a table of one chunk (16 pages): the same bits as in the 2-chunk launch
+    one = host.paged_attention(q[1:2].contiguous(), k, v, pages[:, :16].contiguous(), seqs[1:2].contiguous(),
+                               pos[1:2].contiguous(), ps, 0.2)
+    assert torch.equal(one[0], host.paged_attention(q, k, v, pages, seqs, pos, ps, 0.2)[1])
+    bad = pages.clone()
+    bad[1, 17] = 99  # a page of sequence 1 in its second chunk: its rows that reach it are NaN
+    got = host.paged_attention(q, k, v, bad, seqs, pos, ps, 0.2)
+    assert not bool(got[:2].isnan().any()) and bool(got[2].isnan().all())
+
+
 def test_paged_attention_bad_tables_give_nan_rows_and_bad_arguments_errors(host):
     q, k, v, pages, seqs, pos = paged_case(4, 2, 32, torch.float32, seed=4)
     bad_pages = pages.clone()

@@ -244,10 +244,13 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_sto
                 "row) on ", q.device(), ", got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
   const c10::cuda::CUDAGuard guard(q.device());
   auto out = torch::empty_like(q);
+  const auto work = torch::empty({attn_workspace_floats(T, hq, d, pages.size(1), page_size)},
+                                 q.options().dtype(torch::kFloat));
   launch_paged_attention(q.data_ptr(), k_store.data_ptr(), v_store.data_ptr(), q.scalar_type() == torch::kHalf,
                          pages.data_ptr<int64_t>(), pages.size(0), pages.size(1), seqs.data_ptr<int64_t>(),
                          positions.data_ptr<int64_t>(), T, int(hq), int(hk), int(d), n_slots, int(page_size),
-                         float(scale), int(window), float(softcap), out.data_ptr(), stream());
+                         float(scale), int(window), float(softcap), out.data_ptr(),
+                         work.numel() ? work.data_ptr<float>() : nullptr, stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
