@@ -171,3 +171,25 @@ def paged_case(hq, hk, d, dtype, *, page_size=8, lengths=(13, 21, 1), chunk=3, s
     pos = [n - 1 for n in lengths] + list(range(lengths[1] - chunk, lengths[1]))
     q = torch.randn(len(seqs), hq, d, generator=g).to(dtype)
     return q, k, v, pages, torch.tensor(seqs), torch.tensor(pos)
+
+
+def paged_decode(model, prompts, steps, device="cpu"):
+    """Logits of each decode step through a paged cache: prefill every prompt, then feed the given tokens
+    [steps][sequences], all sequences together in each step."""
+    from exl.cache.paged import PagedCache, PagedContext
+
+    cache = PagedCache(model, num_pages=64, page_size=4)
+    tables, out = [], []
+    for p in prompts:
+        t = cache.open(p, len(p) + len(steps))
+        cache.extend(t, len(p))
+        model(torch.tensor([p], device=device), ctx=PagedContext(cache, [(t, len(p))]))
+        cache.commit(t, p)
+        tables.append(t)
+    for last in steps:
+        for t in tables:
+            cache.extend(t, 1)
+        out.append(model(torch.tensor([last], device=device), ctx=PagedContext(cache, [(t, 1) for t in tables])))
+        for t, tok in zip(tables, last):
+            cache.commit(t, [tok])
+    return torch.stack(out).float().cpu()

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 from cuda_reference import (LAYER_KEYS, check_forward, kv_reference, kv_unpack, paged_attention_reference, paged_case,
-                            random_layer)
+                            paged_decode, random_layer)
 
 pytestmark = pytest.mark.kernels  # CI runs these under the newest torch too (.ci/run)
 
@@ -292,6 +292,7 @@ def test_paged_attention_bad_tables_give_nan_rows_and_bad_arguments_errors(host)
     want = paged_attention_reference(q, k, v, pages, seqs, pos, 8, 0.2)
     assert bool(got[0].isnan().all()) and bool(got[2].isnan().all())
     assert torch.allclose(got[1].double(), want[1], atol=2e-6) and not bool(got[3:].isnan().any())
+    assert bool(host.paged_attention(q, k, v, pages[:, :0].contiguous(), seqs, pos, 8, 0.2).isnan().all())  # no pages
     with pytest.raises(RuntimeError, match="all float16 or all float32"):
         host.paged_attention(q.half(), k, v, pages, seqs, pos, 8, 0.2)
     with pytest.raises(RuntimeError, match="at most 8 and 256"):
@@ -325,32 +326,14 @@ def test_paged_cache_attends_through_the_cuda_kernel(host, tmp_path, monkeypatch
     monkeypatch.setattr(paged.PagedContext, "decode_batch", lambda self: None)  # nor the CPU one-call decode step
     monkeypatch.setattr(paged.PagedContext, "_cuda_in_place", lambda self, q: self._cuda_kernel_fits(q))
 
-    def decode(prompts, steps):
-        cache = paged.PagedCache(model, num_pages=24, page_size=4)
-        tables = []
-        for p in prompts:
-            t = cache.open(p, len(p) + len(steps))
-            cache.extend(t, len(p))
-            model(torch.tensor([p]), ctx=paged.PagedContext(cache, [(t, len(p))]))
-            cache.commit(t, p)
-            tables.append(t)
-        out = []
-        for last in steps:
-            for t in tables:
-                cache.extend(t, 1)
-            out.append(model(torch.tensor([last]), ctx=paged.PagedContext(cache, [(t, 1) for t in tables])))
-            for t, tok in zip(tables, last):
-                cache.commit(t, [tok])
-        return torch.stack(out)
-
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (9, 3, 6)]
     steps = torch.randint(0, 200, (3, 3), generator=g).tolist()
-    got = decode(prompts, steps)
+    got = paged_decode(model, prompts, steps)
     layers = model.config.num_layers  # every layer of every prompt (9, 3, 6 rows) and decode step (3 rows)
     assert calls == [9] * layers + [3] * layers + [6] * layers + [3] * 3 * layers
     with fused.disabled():
-        want = decode(prompts, steps)
+        want = paged_decode(model, prompts, steps)
     check_close(got, want, 1e-5)
 
 

@@ -26,11 +26,6 @@ namespace exl {
 namespace cuda {
 namespace {
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ void store_float(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store_float(__half* p, float v) { *p = __float2half_rn(v); }
-
 struct AttnArgs {
   const void *q, *k, *v;
   const int64_t *pages, *seqs, *pos;
@@ -70,7 +65,7 @@ __global__ void paged_attention_kernel(AttnArgs a, float* __restrict__ partial) 
 #pragma unroll
     for (int i = 0; i < NI; ++i) {
       const int c = lane + kWarp * i;
-      qr[g][i] = g < grp && c < d ? to_float(qrow[g * d + c]) : 0.0f;
+      qr[g][i] = g < grp && c < d ? load_f(qrow + g * d + c) : 0.0f;
       acc[g][i] = 0.0f;
     }
   }
@@ -86,8 +81,8 @@ __global__ void paged_attention_kernel(AttnArgs a, float* __restrict__ partial) 
 #pragma unroll
     for (int i = 0; i < NI; ++i) {
       const int c = lane + kWarp * i;
-      kr[i] = c < d ? to_float(k[base + c]) : 0.0f;
-      vr[i] = c < d ? to_float(v[base + c]) : 0.0f;
+      kr[i] = c < d ? load_f(k + base + c) : 0.0f;
+      vr[i] = c < d ? load_f(v + base + c) : 0.0f;
     }
 #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -141,7 +136,7 @@ __global__ void paged_attention_kernel(AttnArgs a, float* __restrict__ partial) 
     }
     const int64_t head_row = row * a.hq + int64_t(h) * grp + g;
     if (DIRECT) {
-      store_float(static_cast<T*>(a.out) + head_row * d + c, any_bad ? NAN : num / den);
+      store_f(static_cast<T*>(a.out) + head_row * d + c, any_bad ? NAN : num / den);
     } else {
       float* dst = partial + (head_row * n_chunks + chunk) * (d + 2);
       dst[c] = any_bad ? NAN : num;
@@ -168,7 +163,7 @@ __global__ void attention_combine_kernel(const float* __restrict__ partial, int 
       num = fmaf(pj[c], f, num);  // NaN (a bad table) propagates
       den = fmaf(pj[d + 1], f, den);
     }
-    store_float(out + head_row * d + c, num / den);
+    store_f(out + head_row * d + c, num / den);
   }
 }
 
@@ -219,7 +214,7 @@ void launch_paged_attention(const void* q, const void* k, const void* v, bool ha
                             int64_t P, const int64_t* seqs, const int64_t* pos, int64_t T, int hq, int hk, int d,
                             int64_t n_slots, int page_size, float scale, int window, float softcap, void* out,
                             float* partial, cudaStream_t stream) {
-  if (T == 0 || hk == 0 || d == 0 || P == 0) return;  // an empty grid is a launch error in CUDA
+  if (T == 0 || hk == 0 || d == 0) return;  // an empty grid is a launch error in CUDA
   const AttnArgs a{q, k, v, pages, seqs, pos, S, P, T, n_slots, hq, hk, d, page_size, window, scale, softcap, out};
   if (half)
     launch_typed<__half>(a, partial, stream);

@@ -13,8 +13,12 @@ constexpr int kAttnMaxHeadDim = 256;
 // Positions per chunk of keys (one thread block per query row, KV head and chunk).
 constexpr int kAttnChunk = 256;
 
-// Chunks a launch covers: every position the page table [., P] can hold.
-inline int64_t attn_chunks(int64_t P, int64_t page_size) { return (P * page_size + kAttnChunk - 1) / kAttnChunk; }
+// Chunks a launch covers: every position the page table [., P] can hold (at least one, so that a table without
+// pages still launches and its rows come out NaN).
+inline int64_t attn_chunks(int64_t P, int64_t page_size) {
+  const int64_t n = (P * page_size + kAttnChunk - 1) / kAttnChunk;
+  return n > 0 ? n : 1;
+}
 // Floats of workspace a launch needs (0 when the table holds one chunk: no combine step).
 inline int64_t attn_workspace_floats(int64_t T, int64_t hq, int64_t d, int64_t P, int64_t page_size) {
   const int64_t n = attn_chunks(P, page_size);

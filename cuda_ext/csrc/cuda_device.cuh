@@ -1,6 +1,7 @@
 // What every .cu file of exl shares: the launch macro, dynamic shared memory, warp helpers.
 // Written so that the host harness (host/cuda_host.h, docs/cuda_host.md) can run the same source.
 #pragma once
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 // kernel<<<grid, block, smem, stream>>>(args...) is written
@@ -26,6 +27,21 @@ __device__ __forceinline__ T* dynamic_shared() {
   return reinterpret_cast<T*>(exl_dynamic_shared);
 #endif
 }
+
+// A float or half element read / written as float (half: round to nearest even).
+template <typename T>
+__device__ __forceinline__ float load_f(const T* p);
+template <>
+__device__ __forceinline__ float load_f<float>(const float* p) { return *p; }
+template <>
+__device__ __forceinline__ float load_f<__half>(const __half* p) { return __half2float(*p); }
+
+template <typename T>
+__device__ __forceinline__ void store_f(T* p, float v);
+template <>
+__device__ __forceinline__ void store_f<float>(float* p, float v) { *p = v; }
+template <>
+__device__ __forceinline__ void store_f<__half>(__half* p, float v) { *p = __float2half_rn(v); }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -15,20 +15,6 @@ namespace exl {
 namespace cuda {
 namespace {
 
-template <typename T>
-__device__ __forceinline__ float load_f(const T* p);
-template <>
-__device__ __forceinline__ float load_f<float>(const float* p) { return *p; }
-template <>
-__device__ __forceinline__ float load_f<__half>(const __half* p) { return __half2float(*p); }
-
-template <typename T>
-__device__ __forceinline__ void store_f(T* p, float v);
-template <>
-__device__ __forceinline__ void store_f<float>(float* p, float v) { *p = v; }
-template <>
-__device__ __forceinline__ void store_f<__half>(__half* p, float v) { *p = __float2half_rn(v); }
-
 // ---------------------------------------------------------------------------------------------
 // GEMV: one warp per R output rows. Lane l takes blocks l, l+32, ... of each segment: it reads the
 // block's 4*BITS bytes of each of its rows (the warp reads 32 consecutive blocks, one contiguous span

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_reference import paged_attention_reference, paged_case
+from cuda_reference import paged_attention_reference, paged_case, paged_decode
 
 import exl
-from exl.cache.paged import PagedCache, PagedContext
 from exl.modules import fused
 
 pytestmark = [
@@ -41,35 +40,14 @@ def models(tmp_path_factory):
             for name in ("llama", "mistral-window", "gemma3")}
 
 
-def decode(model, prompts, steps):
-    """Prefill each prompt, then decode the given tokens [steps][sequences], all sequences together in each step;
-    the logits of every step."""
-    cache = PagedCache(model, num_pages=64, page_size=4)
-    tables, out = [], []
-    for p in prompts:
-        t = cache.open(p, len(p) + len(steps))
-        cache.extend(t, len(p))
-        model(torch.tensor([p], device="cuda"), ctx=PagedContext(cache, [(t, len(p))]))
-        cache.commit(t, p)
-        tables.append(t)
-    for last in steps:
-        for t in tables:
-            cache.extend(t, 1)
-        logits = model(torch.tensor([last], device="cuda"), ctx=PagedContext(cache, [(t, 1) for t in tables]))
-        out.append(logits.float().cpu())
-        for t, tok in zip(tables, last):
-            cache.commit(t, [tok])
-    return torch.stack(out)
-
-
 @pytest.mark.parametrize("name", ["llama", "mistral-window", "gemma3"])
 def test_paged_decode_through_the_kernel_matches_the_reference_path(models, name):
     model = models[name]
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (11, 23, 5)]
     steps = torch.randint(0, 200, (6, len(prompts)), generator=g).tolist()
-    got = decode(model, prompts, steps)
+    got = paged_decode(model, prompts, steps, "cuda")
     with fused.disabled():
-        want = decode(model, prompts, steps)
+        want = paged_decode(model, prompts, steps, "cuda")
     scale = want.abs().max()
     assert (got - want).abs().max() <= 2e-2 * scale
