@@ -3,6 +3,7 @@
     python bench/serve_vs_llamacpp.py                 # the standard pair, 2 threads, full scenarios
     python bench/serve_vs_llamacpp.py --quick --json  # a smoke run (minutes)
     python bench/serve_vs_llamacpp.py --exl DIR --gguf FILE -t 1
+    python bench/serve_vs_llamacpp.py --codes scalar  # the pair with exl's scalar codes only
 
 The pair is bench/vs_llamacpp.py's `prepare()`: the rotated SmolLM2-135M-Instruct converted by exl at
 4.0 bpw, and llama.cpp's Q4_0 GGUF of the same rotated model. Both servers start on free ports of
@@ -327,6 +328,8 @@ def main(argv=None) -> int:
     ap.add_argument("--exl", help="exl model folder (default: build the standard pair)")
     ap.add_argument("--gguf", help="llama.cpp GGUF file")
     ap.add_argument("--bits", type=float, default=4.0, help="exl bits per weight for the standard pair")
+    ap.add_argument("--codes", choices=("auto", "scalar", "trellis"), default="auto",
+                    help="exl codes for the standard pair (convert.py --codes; see bench/vs_llamacpp.py)")
     ap.add_argument("-t", "--threads", type=int, default=2, help="threads of each server and of `exl bench`")
     ap.add_argument("--quick", action="store_true", help="a smoke run: fewer rounds and requests, shorter outputs")
     ap.add_argument("--rounds", type=int, help="(a) rounds (default 5; --quick 2)")
@@ -344,7 +347,8 @@ def main(argv=None) -> int:
     from vs_llamacpp import prepare
 
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    exl_dir, gguf = (Path(args.exl).resolve(), Path(args.gguf).resolve()) if args.exl else prepare(args.bits)
+    exl_dir, gguf = ((Path(args.exl).resolve(), Path(args.gguf).resolve()) if args.exl
+                     else prepare(args.bits, codes=args.codes))
     load_start = os.getloadavg()
     started = time.time()
     # distinct random texts everywhere, so that no request finds another's prefix in a cache

@@ -2,9 +2,12 @@
 
     python bench/vs_llamacpp.py                       # builds the standard pair (see below), then measures
     python bench/vs_llamacpp.py --exl DIR --gguf FILE # measure a given pair
+    python bench/vs_llamacpp.py --codes scalar        # the pair with exl's scalar codes only
 
 The standard pair (issue 4): the function-preserving rotated copy of SmolLM2-135M-Instruct,
-converted by exl at 4.0 bpw, and llama.cpp's Q4_0 of the same rotated model (token embedding F16,
+converted by exl at 4.0 bpw (`convert.py`'s default `--codes auto`: the optimizer picks scalar or trellis codes per
+matrix, and at 4.0 bpw it picks trellis codes for every matrix; `--codes scalar|trellis` builds the pair with only
+those codes), and llama.cpp's Q4_0 of the same rotated model (token embedding F16,
 untied head Q8_0) quantized from an F32 GGUF written by exl's exporter. Artifacts are cached in
 $EXL_CACHE/bench. exl is measured through its generator (exl.benchmark: pp = one 512-token prompt job's
 prefill, tg = one job's decode rate), the path `exl serve` runs.
@@ -32,8 +35,15 @@ from exl import benchmark  # noqa: E402
 from exl.assets import cache_dir, smollm2_dir  # noqa: E402
 
 
-def prepare(bits: float = 4.0, seed: int = 0) -> tuple[Path, Path]:
-    """(exl folder, llama.cpp GGUF) for the rotated SmolLM2, built once and cached."""
+CODES = ("auto", "scalar", "trellis")
+
+
+def prepare(bits: float = 4.0, seed: int = 0, codes: str = "auto") -> tuple[Path, Path]:
+    """(exl folder, llama.cpp GGUF) for the rotated SmolLM2, built once and cached. codes: convert.py's --codes
+    (auto: the default conversion, folder exl-BITS; scalar / trellis: folder scalar-BITS / trellis-BITS, the names
+    bench/quality.py gives its scalar-vs-trellis conversions)."""
+    if codes not in CODES:
+        raise ValueError(f"codes must be one of {', '.join(CODES)}, not {codes!r}")
     from exl.gguf_export import export_gguf
     from quant.rotate import rotate_model
 
@@ -41,10 +51,10 @@ def prepare(bits: float = 4.0, seed: int = 0) -> tuple[Path, Path]:
     rotated = root / f"smollm2-rotated-s{seed}"
     if not (rotated / "config.json").is_file():
         rotate_model(smollm2_dir(), rotated, seed=seed)
-    exl_dir = root / "quality" / f"exl-{bits}"  # the same conversion bench/quality.py evaluates
+    exl_dir = root / "quality" / f"{'exl' if codes == 'auto' else codes}-{bits}"  # as bench/quality.py names them
     if not (exl_dir / "config.json").is_file():
         subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "convert.py"), "-i", str(rotated),
-                        "-o", str(exl_dir), "-b", str(bits)], check=True)
+                        "-o", str(exl_dir), "-b", str(bits), "--codes", codes], check=True)
     f32 = root / f"smollm2-rotated-s{seed}-f32.gguf"
     if not f32.is_file():
         export_gguf(rotated, f32, "f32")
@@ -59,13 +69,14 @@ def main(argv=None) -> int:
     ap.add_argument("--exl", help="exl model folder (default: build the standard pair)")
     ap.add_argument("--gguf", help="llama.cpp GGUF file")
     ap.add_argument("--bits", type=float, default=4.0, help="exl bits per weight for the standard pair")
+    ap.add_argument("--codes", choices=CODES, default="auto", help="exl codes for the standard pair (convert.py --codes)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-r", "--repetitions", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     if bool(args.exl) != bool(args.gguf):
         ap.error("give both --exl and --gguf, or neither")
-    exl_dir, gguf = (Path(args.exl), Path(args.gguf)) if args.exl else prepare(args.bits)
+    exl_dir, gguf = (Path(args.exl), Path(args.gguf)) if args.exl else prepare(args.bits, codes=args.codes)
 
     fix_threads(args.threads)
     os.environ["EXL_THREADS"] = str(args.threads)  # asked for: no automatic choice at load

@@ -116,3 +116,17 @@ def apply_auto_threads() -> int | None:
     if n != torch.get_num_threads():
         torch.set_num_threads(n)
     return n
+
+
+def release_idle_threads() -> bool:
+    """Free this thread's idle OpenMP threads (cuda_ext/csrc/cpu_pool.h, `release_idle_threads`).
+
+    Call it on a thread that ran the model (loading it opens OpenMP regions) before another thread runs it:
+    libgomp keeps a thread pool per such thread, and while the pools together hold more threads than there
+    are cores it sleeps at every barrier, which made a prefill on the server's generator thread 1.3-1.9x
+    slower than the same prefill on the loading thread. True when freed; False without the CPU extension
+    (EXL_NO_EXT=1) or where the OpenMP runtime cannot."""
+    import cuda_ext
+
+    ext = cuda_ext.cpu()
+    return bool(ext is not None and ext.release_idle_threads())

@@ -10,6 +10,7 @@ import torch
 import exl
 from cuda_ext import build
 from exl.generator import AsyncGenerator, AsyncJob, Generator, Job, PagedCache, SamplerSettings
+from exl.threads import release_idle_threads
 
 pytestmark = pytest.mark.kernels
 
@@ -125,3 +126,30 @@ def test_a_batch_past_the_gemm_threshold_decodes_in_the_team(tmp_path, ext, thre
         model._step = False  # block by block
         want = decode_logits(model, prompts, steps=3, page_size=8)
     assert torch.equal(got, want)
+
+
+def _runtime_can_pause() -> bool:
+    import ctypes
+
+    gomp = [line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line]
+    return bool(gomp) and hasattr(ctypes.CDLL(gomp[0]), "omp_pause_resource_all")
+
+
+def test_release_idle_threads_frees_the_pool_and_regions_go_on(ext, threads):
+    """The loading thread frees its OpenMP pool before a generator thread takes the model (exl.threads); parallel
+    regions opened afterwards start a new pool and split work as before."""
+    threads(2)
+    before = ext.parallel_partition(0, 1 << 20, 16, team=False)  # opens a region: this thread has a pool
+    assert len(before) == 2
+    released = ext.release_idle_threads()
+    if not _runtime_can_pause():
+        assert released is False
+        pytest.skip("this OpenMP runtime has no omp_pause_resource_all")
+    assert released is True
+    assert ext.parallel_partition(0, 1 << 20, 16, team=False) == before
+    out = {}
+    t = threading.Thread(target=lambda: out.update(chunks=ext.parallel_partition(0, 1 << 20, 16, team=False),
+                                                   freed=release_idle_threads()))
+    t.start()
+    t.join()
+    assert out == {"chunks": before, "freed": True}

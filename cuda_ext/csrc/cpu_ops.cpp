@@ -346,6 +346,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_partition", &exl::cpu::parallel_partition, py::arg("begin"), py::arg("end"), py::arg("grain"),
         py::arg("team") = true, py::arg("throw_at") = -1, "Chunks a run_team team or at::parallel_for runs (tests)");
   m.def("team_regions", &exl::cpu::team_regions, "Parallel regions served by run_team teams (cpu_pool.h)");
+  m.def("release_idle_threads", &exl::cpu::release_idle_threads,
+        "Free the calling thread's idle OpenMP thread pool (cpu_pool.h); False where the runtime cannot");
   m.def("parallel_chunks", &exl::cpu::parallel_chunks, "Chunks at::parallel_for runs for n units (threading check)");
   m.def("fwht", &exl::cpu::fwht, py::arg("x"), py::arg("block") = 0, py::arg("signs") = py::none(),
         py::arg("signs_first") = true, py::arg("isa") = "auto",

@@ -108,6 +108,15 @@ bool in_team() { return tl_team != nullptr && !tl_in_chunk; }
 
 int64_t team_regions() { return g_regions.load(); }
 
+// OpenMP 5.0; weak, so that a runtime without it (libgomp before GCC 9, whichever libgomp torch loaded) still
+// loads the extension, and release_idle_threads() answers false there.
+#pragma weak omp_pause_resource_all
+
+bool release_idle_threads() {
+  if (&omp_pause_resource_all == nullptr || omp_in_parallel() || tl_team != nullptr) return false;
+  return omp_pause_resource_all(omp_pause_soft) == 0;
+}
+
 void parallel_run(int64_t begin, int64_t end, int64_t grain, ChunkFn fn, void* ctx) {
   if (begin >= end) return;
   if (tl_team == nullptr || tl_in_chunk) {

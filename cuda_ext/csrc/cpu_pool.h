@@ -50,5 +50,14 @@ bool in_team();
 // Parallel regions served by teams in this process (a test reads it).
 int64_t team_regions();
 
+// Free the calling thread's idle OpenMP threads (omp_pause_resource_all, soft). libgomp keeps one thread
+// pool per thread that ever opened a parallel region, and once the pools together hold more threads
+// than the machine has cores it stops spinning at barriers (~100 iterations, then a futex sleep): every
+// torch op and BLAS call of a prefill on the generator thread then pays for sleeps. A thread that has
+// loaded a model (and so opened regions) and hands the model to a generator thread calls this; the
+// next parallel region it opens starts a new pool. False where the OpenMP runtime cannot (then
+// nothing changed) or the caller is inside a parallel region.
+bool release_idle_threads();
+
 }  // namespace cpu
 }  // namespace exl
