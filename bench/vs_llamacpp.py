@@ -51,7 +51,7 @@ def prepare(bits: float = 4.0, seed: int = 0, codes: str = "auto") -> tuple[Path
     rotated = root / f"smollm2-rotated-s{seed}"
     if not (rotated / "config.json").is_file():
         rotate_model(smollm2_dir(), rotated, seed=seed)
-    exl_dir = root / "quality" / f"{'exl' if codes == 'auto' else codes}-{bits}"  # as bench/quality.py names them
+    exl_dir = root / "quality" / f"{'exl' if codes == 'auto' else codes}-{bits}"  # bench/quality.py's names
     if not (exl_dir / "config.json").is_file():
         subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "convert.py"), "-i", str(rotated),
                         "-o", str(exl_dir), "-b", str(bits), "--codes", codes], check=True)
@@ -69,7 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("--exl", help="exl model folder (default: build the standard pair)")
     ap.add_argument("--gguf", help="llama.cpp GGUF file")
     ap.add_argument("--bits", type=float, default=4.0, help="exl bits per weight for the standard pair")
-    ap.add_argument("--codes", choices=CODES, default="auto", help="exl codes for the standard pair (convert.py --codes)")
+    ap.add_argument("--codes", choices=CODES, default="auto",
+                    help="exl codes for the standard pair (convert.py --codes)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-r", "--repetitions", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")

@@ -6,6 +6,7 @@ so that neither has to know about the other: exl.models never imports exl.parall
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -46,6 +47,34 @@ def load_model(path: str | Path, *, device: str | None = None, dtype: torch.dtyp
 
         apply_auto_threads()
     try:
-        return CausalLM.load(path, dtype=dtype, device=device or "cpu", progress=progress)
+        model = CausalLM.load(path, dtype=dtype, device=device or "cpu", progress=progress)
     except FileNotFoundError as e:  # a file the folder's index names is missing
         raise ModelLoadError(f"{path}: {e}") from e
+    if model.device.type == "cpu":
+        warn_slow_trellis(model, path)
+    return model
+
+
+class SlowCodesWarning(UserWarning):
+    """The model's codes decode far slower on this CPU than a model of the same size with other codes."""
+
+
+def warn_slow_trellis(model, path) -> bool:
+    """Warn (SlowCodesWarning) when a CPU model has trellis-coded layers and this CPU has no AVX-512 VBMI
+    kernels: there the trellis decode is compute-bound (table lookups by vpshufb) and runs at about 0.4-0.5x the
+    rate of a scalar-coded model of the same size (docs/benchmarks.md, "2026-12-06"). True when it warned."""
+    from exl.modules.trellis_linear import TrellisLinear
+
+    n = sum(isinstance(m, TrellisLinear) for m in model.modules())
+    if not n:
+        return False
+    import cuda_ext
+
+    ext = cuda_ext.cpu()
+    if ext is None or "avx512vnni" in ext.isa_names():
+        return False
+    warnings.warn(f"{path}: {n} trellis-coded layers, and this CPU has no AVX-512 (kernels: "
+                  f"{', '.join(ext.isa_names())}): their decode runs at about 0.4-0.5x the speed of a scalar-coded "
+                  "model of the same size here. For CPU inference on this machine, convert with `--codes scalar`.",
+                  SlowCodesWarning, stacklevel=4)
+    return True

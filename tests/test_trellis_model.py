@@ -60,3 +60,24 @@ def test_tiny_trellis_model_loads_runs_and_matches_its_decoded_weights(tmp_path,
     del model.decode_step
     model._step = False  # block by block
     assert torch.equal(got, decode_logits(model, prompts, steps=5))
+
+
+def test_a_trellis_model_on_a_cpu_without_avx512_warns_that_its_codes_are_slow_here(tmp_path):
+    import warnings
+
+    import cuda_ext
+    from exl.loading import SlowCodesWarning
+
+    _, src = make_model(tmp_path, "llama")
+    dst = tmp_path / "trellis"
+    trellis_model.trellis_copy(src, dst, bits=3, state_bits=12, code=3)
+    slow_here = "avx512vnni" not in cuda_ext.cpu().isa_names()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        exl.load_model(dst, progress=False)
+        exl.load_model(src, progress=False)  # not trellis-coded: never
+    got = [w for w in seen if issubclass(w.category, SlowCodesWarning)]
+    assert len(got) == int(slow_here)
+    if slow_here:
+        assert "--codes scalar" in str(got[0].message) and str(dst) in str(got[0].message)
+
