@@ -50,6 +50,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO))
 
 import serve  # noqa: E402  (bench/serve.py: the client and its metrics)
+from quant.options import CODES  # noqa: E402  (convert.py's --codes)
 
 # issue 11, item 3
 TARGETS = {"serve_vs_bench": 0.95, "decode_vs_llamacpp": 1.3, "ttft_vs_llamacpp": 1.0, "throughput_vs_llamacpp": 2.0}
@@ -328,7 +329,7 @@ def main(argv=None) -> int:
     ap.add_argument("--exl", help="exl model folder (default: build the standard pair)")
     ap.add_argument("--gguf", help="llama.cpp GGUF file")
     ap.add_argument("--bits", type=float, default=4.0, help="exl bits per weight for the standard pair")
-    ap.add_argument("--codes", choices=("auto", "scalar", "trellis"), default="auto",
+    ap.add_argument("--codes", choices=CODES, default="auto",
                     help="exl codes for the standard pair (convert.py --codes; see bench/vs_llamacpp.py)")
     ap.add_argument("-t", "--threads", type=int, default=2, help="threads of each server and of `exl bench`")
     ap.add_argument("--quick", action="store_true", help="a smoke run: fewer rounds and requests, shorter outputs")

@@ -33,9 +33,7 @@ import llamacpp  # noqa: E402
 import exl  # noqa: E402
 from exl import benchmark  # noqa: E402
 from exl.assets import cache_dir, smollm2_dir  # noqa: E402
-
-
-CODES = ("auto", "scalar", "trellis")
+from quant.options import CODES  # noqa: E402  (convert.py's --codes)
 
 
 def prepare(bits: float = 4.0, seed: int = 0, codes: str = "auto") -> tuple[Path, Path]:

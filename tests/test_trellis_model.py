@@ -80,4 +80,3 @@ def test_a_trellis_model_on_a_cpu_without_avx512_warns_that_its_codes_are_slow_h
     assert len(got) == int(slow_here)
     if slow_here:
         assert "--codes scalar" in str(got[0].message) and str(dst) in str(got[0].message)
-

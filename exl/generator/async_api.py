@@ -46,7 +46,7 @@ class AsyncGenerator:
         self._pending: list[tuple["AsyncJob", object]] = []  # the last step's events, not yet handed over
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # (job, event) lists for the courier; None: stop
         generator.on_launch = self._flush
-        if str(getattr(generator.model, "device", "")).startswith("cpu"):  # the model now runs on the worker thread
+        if generator.cache.device.type == "cpu":  # the model now runs on the worker thread
             release_idle_threads()
         self._courier = threading.Thread(target=self._carry, name="exl-deliver", daemon=True)
         self._courier.start()
