@@ -70,7 +70,9 @@ def bench(llm, pp: int = 512, tg: int = 128, reps: int = 3, vocab: int = 49152) 
         return tg / (time.perf_counter() - t)
 
     out = {}
-    for name, fn in ((f"pp{pp}", prompt), (f"tg{tg}", generation)):
+    for name, fn, n in ((f"pp{pp}", prompt, pp), (f"tg{tg}", generation, tg)):
+        if n <= 0:
+            continue
         fn()
         runs = [fn() for _ in range(reps)]
         out[name] = statistics.mean(runs)

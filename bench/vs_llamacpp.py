@@ -3,6 +3,7 @@
     python bench/vs_llamacpp.py                       # builds the standard pair (see below), then measures
     python bench/vs_llamacpp.py --exl DIR --gguf FILE # measure a given pair
     python bench/vs_llamacpp.py --codes scalar        # the pair with exl's scalar codes only
+    python bench/vs_llamacpp.py --pp 16,32,64,512     # prefill of several prompt lengths (chat turns are short)
 
 The standard pair (issue 4): the function-preserving rotated copy of SmolLM2-135M-Instruct,
 converted by exl at 4.0 bpw (`convert.py`'s default `--codes auto`: the optimizer picks scalar or trellis codes per
@@ -69,35 +70,45 @@ def main(argv=None) -> int:
     ap.add_argument("--bits", type=float, default=4.0, help="exl bits per weight for the standard pair")
     ap.add_argument("--codes", choices=CODES, default="auto",
                     help="exl codes for the standard pair (convert.py --codes)")
+    ap.add_argument("--pp", default="512", help="prompt lengths to time, comma-separated (default 512)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-r", "--repetitions", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     if bool(args.exl) != bool(args.gguf):
         ap.error("give both --exl and --gguf, or neither")
+    try:
+        pps = sorted({int(v) for v in args.pp.split(",")})
+    except ValueError:
+        ap.error(f"--pp takes prompt lengths separated by commas, e.g. 16,32,512; got {args.pp!r}")
+    if not pps or min(pps) < 1 or max(pps) > 2048:
+        ap.error(f"--pp lengths must lie in 1..2048 (the benchmark's cache and llama.cpp's context); got {args.pp!r}")
     exl_dir, gguf = (Path(args.exl), Path(args.gguf)) if args.exl else prepare(args.bits, codes=args.codes)
 
     fix_threads(args.threads)
     os.environ["EXL_THREADS"] = str(args.threads)  # asked for: no automatic choice at load
     model = exl.load_model(exl_dir, progress=False)
-    ours = benchmark.run(model, 512, 128, args.repetitions)
+    ours = benchmark.run(model, pps[-1], 128, args.repetitions)
+    for pp in pps[:-1]:
+        ours.update(benchmark.run(model, pp, 0, args.repetitions))
     del model
-    llm = llamacpp.load(gguf, threads=args.threads)
-    theirs = llamacpp.bench(llm, 512, 128, args.repetitions)
+    llm = llamacpp.load(gguf, threads=args.threads, n_ctx=max(2048, pps[-1] + 128))
+    theirs = llamacpp.bench(llm, pps[-1], 128, args.repetitions)
+    for pp in pps[:-1]:
+        theirs.update(llamacpp.bench(llm, pp, 0, args.repetitions))
     del llm
 
     print(f"\n{args.threads} threads, {args.repetitions} timed runs each (mean ± std)\n")
     print("| test | exl tok/s | llama.cpp tok/s | exl / llama.cpp |")
     print("|---|---|---|---|")
     ratios = {}
-    for test in ("pp512", "tg128"):
+    for test in [f"pp{pp}" for pp in pps] + ["tg128"]:
         ratios[test] = ours[test] / theirs[test]
         print(f"| {test} | {ours[test]:.1f} ± {ours[test + '_std']:.1f} | {theirs[test]:.1f} ± "
               f"{theirs[test + '_std']:.1f} | {ratios[test]:.2f}x |")
     print(f"\nexl: {exl_dir} ({ours['bpw']:.2f} bpw, peak RSS {ours['peak_rss_mib']:.0f} MiB)\nllama.cpp: {gguf}")
     if args.json:
-        print(json.dumps({"exl": ours, "llamacpp": theirs, "pp512_ratio": ratios["pp512"],
-                          "tg128_ratio": ratios["tg128"]}))
+        print(json.dumps({"exl": ours, "llamacpp": theirs, **{f"{t}_ratio": r for t, r in ratios.items()}}))
     return 0
 
 

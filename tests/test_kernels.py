@@ -305,11 +305,14 @@ def test_quant_linear_module_dispatch_and_storage(ext):
     assert torch.allclose(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
     exact = QuantLinear(t, exact=True)(x)
     assert torch.allclose(exact, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-    big = torch.randn(40, 192)  # GEMM path
+    big = torch.randn(80, 192)  # GEMM path (every table's cutover is at most 64 rows)
     assert torch.allclose(layer(big), F.reference_forward(big, t), rtol=1e-4, atol=1e-4)
-    # the default cutover: int8 GEMV up to 16 rows, GEMM from 17; exact: fp32 GEMV below 8 rows
+    # the default cutover: the table's own (int8 GEMV below int8_gemm_min_rows, GEMM from it); exact: fp32
+    # GEMV below 8 rows
     k = layer.kernel()
-    for m, path in ((16, "int8"), (17, "gemm")):
+    cut = k.int8_gemm_min_rows
+    assert layer.gemm_min_rows == cut
+    for m, path in ((cut - 1, "int8"), (cut, "gemm")):
         xm = torch.randn(m, 192)
         assert torch.equal(layer(xm), k.forward(xm, path)), m
     for m, path in ((7, "fp32"), (8, "gemm")):
@@ -322,6 +325,24 @@ def test_quant_linear_module_dispatch_and_storage(ext):
     other(x)
     other.load_state_dict(layer.state_dict())
     assert torch.equal(other(x), got)
+
+
+def test_gemm_min_rows_default_per_table(ext):
+    """Where dequant + GEMM takes over from the int8 GEMV: 64 rows on the AVX2 table (measured over a whole model
+    on a Zen 3, docs/benchmarks.md), 17 on the others; a given limit or exact=True overrides the table."""
+    t = random_layer(16, [F.Segment(64, 4, 64)], seed=3)
+    for isa in isas():
+        assert kernel(ext, t, isa).int8_gemm_min_rows == (64 if isa == "avx2" else 17), isa
+    m = QuantLinear(t)
+    assert m.gemm_min_rows == 17  # before the kernel exists: the module's stand-in
+    m.kernel()
+    assert m.gemm_min_rows == kernel(ext, t).int8_gemm_min_rows
+    assert QuantLinear(t, exact=True).gemm_min_rows == 8
+    assert QuantLinear(t, gemm_min_rows=5).gemm_min_rows == 5
+    m.gemm_min_rows = 9
+    assert m.gemm_min_rows == 9
+    m.gemm_min_rows = None
+    assert m.gemm_min_rows == kernel(ext, t).int8_gemm_min_rows
 
 
 def test_bad_inputs_give_clear_errors(ext):

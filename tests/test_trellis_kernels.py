@@ -246,12 +246,15 @@ def _amd_zen4() -> bool:
 def test_gemm_min_rows_default_per_table_and_cpu(ext, code):
     t = random_trellis(64, 64, 3, 12, code=code, bias=False)
     for isa in isas():
-        every = kernel(ext, t, isa).int8_every_batch
+        k = kernel(ext, t, isa)
+        every = k.int8_every_batch
         assert every == (code in F.TWO_TABLE_CODES and isa == "avx512vnni" and _amd_zen4()), isa
+        # codes 2 and 3: 64 rows, never on Zen 4's AVX-512, 17 on the AVX2 trellis table (compute-bound lookups)
+        want = 17 if code not in F.TWO_TABLE_CODES else 2**63 - 1 if every else 17 if k.trellis_isa == "avx2" else 64
+        assert k.int8_gemm_min_rows == want, isa
     m = TrellisLinear(t)
     m.kernel()
-    every = kernel(ext, t).int8_every_batch
-    assert m.gemm_min_rows == (17 if code not in F.TWO_TABLE_CODES else 2**63 - 1 if every else 64)
+    assert m.gemm_min_rows == kernel(ext, t).int8_gemm_min_rows
     assert TrellisLinear(t, exact=True).gemm_min_rows == 32
     assert TrellisLinear(t, gemm_min_rows=5).gemm_min_rows == 5
     m.gemm_min_rows = 9
@@ -259,7 +262,7 @@ def test_gemm_min_rows_default_per_table_and_cpu(ext, code):
     # a batch past the default goes where the default says: the int8 GEMV's bits, or the GEMM's
     x = torch.randn(80, 64)
     k = kernel(ext, t)
-    path = "int8" if k.int8_every_batch else "gemm"  # the defaults otherwise (17, 64) are below 80 rows
+    path = "int8" if k.int8_every_batch else "gemm"  # the defaults otherwise (17 or 64) are below 80 rows
     assert torch.equal(TrellisLinear(t)(x), k.forward(x, path, 10**9, False))
 
 

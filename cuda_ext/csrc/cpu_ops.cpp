@@ -90,6 +90,12 @@ class QuantLinearCPU : public LinearCPU {
   std::string isa() const { return kernels_->name; }
   void set_isa(const std::string& name) { kernels_ = kernels_named(name); }
 
+  // The batch size from which dequant + fp32 BLAS GEMM beats the int8 GEMV on this table, measured
+  // over a whole model's layers (cold weights, docs/benchmarks.md "2026-12-06 #2"): 64 on the AVX2
+  // table (the GEMM path streams each weight as fp32 three times, which costs more than the int8 GEMV's
+  // per-row work up to ~64 rows on a Zen 3), 17 on the others (measured on a Xeon, one layer, hot).
+  int64_t int8_gemm_min_rows() const { return std::string(kernels_->name) == "avx2" ? 64 : 17; }
+
   // Q [N, K] in permuted order, fp32.
   at::Tensor dequantize() const {
     auto out = at::empty({layer_.N, layer_.K}, at::kFloat);
@@ -362,6 +368,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("dequantize", &QuantLinearCPU::dequantize)
       .def_property("isa", &QuantLinearCPU::isa, &QuantLinearCPU::set_isa)
+      .def_property_readonly("int8_gemm_min_rows", &QuantLinearCPU::int8_gemm_min_rows,
+                             "from this many rows on, dequant + GEMM beats the int8 GEMV on this table")
       .def_property_readonly("in_features", &QuantLinearCPU::in_features)
       .def_property_readonly("out_features", &QuantLinearCPU::out_features);
 }

@@ -6,6 +6,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -103,6 +104,7 @@ class TrellisLinearCPU : public LinearCPU {
   int64_t in_features() const override { return K_; }
   int64_t out_features() const override { return N_; }
   std::string isa() const { return kernels_->name; }
+  std::string trellis_isa() const { return trellis_kernels_->name; }
   void set_isa(const std::string& name) {
     kernels_ = kernels_named(name);
     trellis_kernels_ = trellis_named(name);
@@ -125,6 +127,16 @@ class TrellisLinearCPU : public LinearCPU {
   bool int8_every_batch() const {
     return is_two_table(code_.code) && std::string(trellis_kernels_->name) == "avx512vnni" &&
            isa::avx512_half_width();
+  }
+
+  // The batch size from which tile decode + fp32 BLAS GEMM beats the int8 GEMV (INT64_MAX: never), measured
+  // over a whole model's layers (docs/benchmarks.md): 17 for code 1; for codes 2 and 3, 64 on the AVX-512
+  // table, never where int8_every_batch(), and 17 on the AVX2 table, whose 256-bit table lookups make the
+  // GEMV compute-bound (1.3-1.8x the GEMM's time from 24 rows on, Zen 3).
+  int64_t int8_gemm_min_rows() const {
+    if (!is_two_table(code_.code)) return 17;
+    if (int8_every_batch()) return std::numeric_limits<int64_t>::max();
+    return std::string(trellis_kernels_->name) == "avx2" ? 17 : 64;
   }
 
   // path: "auto" (below gemm_min_rows rows the GEMV: int8 activations unless exact or unavailable,
@@ -249,7 +261,11 @@ void register_trellis(py::module_& m) {
       .def_property_readonly("has_int8", &TrellisLinearCPU::has_int8)
       .def_property_readonly("int8_every_batch", &TrellisLinearCPU::int8_every_batch,
                              "whether the int8 GEMV beats the GEMM at every batch size on this table and CPU")
+      .def_property_readonly("int8_gemm_min_rows", &TrellisLinearCPU::int8_gemm_min_rows,
+                             "from this many rows on, tile decode + GEMM beats the int8 GEMV (2**63-1: never)")
       .def_property("isa", &TrellisLinearCPU::isa, &TrellisLinearCPU::set_isa)
+      .def_property_readonly("trellis_isa", &TrellisLinearCPU::trellis_isa,
+                             "the trellis kernels' table (the AVX-512 one needs VBMI; else avxvnni or avx2)")
       .def_property_readonly("in_features", &TrellisLinearCPU::in_features)
       .def_property_readonly("out_features", &TrellisLinearCPU::out_features);
 }

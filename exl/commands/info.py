@@ -74,10 +74,13 @@ def _cpu_isa(ext) -> dict:
          "qscale": torch.ones(1, 1, dtype=torch.float16), "qmeta": F.segments_to_meta(segs)}
     out = {"isa_available": list(ext.isa_names())}
     try:
-        out["isa"] = ext.QuantLinearCPU(t["qweight"], t["qscale"], t["qmeta"]).isa
+        layer = ext.QuantLinearCPU(t["qweight"], t["qscale"], t["qmeta"])
     except RuntimeError as e:  # EXL_CPU_ISA names a table this CPU lacks
         out["isa_error"] = str(e).splitlines()[0]
         return out
+    out["isa"] = layer.isa
+    if hasattr(layer, "int8_gemm_min_rows"):  # where scalar-coded layers switch from the int8 GEMV to the GEMM
+        out["gemm_min_rows"] = layer.int8_gemm_min_rows
     if hasattr(ext, "TrellisLinearCPU"):  # where trellis codes 2 and 3 switch from the int8 GEMV to the GEMM
         from exl.modules.trellis_linear import GEMM_NEVER, TrellisLinear
 
@@ -131,6 +134,9 @@ def run(args) -> int:
         if kind == "cpu" and "isa_available" in e:
             chosen = e.get("isa") or f"error: {e.get('isa_error')}"
             print(f"  CPU instruction set: {chosen}   (available: {', '.join(e['isa_available'])})")
+            if "gemm_min_rows" in e:
+                print(f"  scalar codes, batches (prefill): dequant + fp32 GEMM from {e['gemm_min_rows']} rows, "
+                      "int8 GEMV below")
             if "trellis_gemm_min_rows" in e:
                 rows = e["trellis_gemm_min_rows"]
                 print("  trellis codes 2 and 3, batches (prefill): " + (

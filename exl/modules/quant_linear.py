@@ -22,7 +22,9 @@ from exl.errors import ExlError
 
 REQUIRED = ("qweight", "qscale", "qmeta")
 OPTIONAL = ("perm", "su", "sv", "bias")
-# CPU batch sizes from which dequant + BLAS GEMM beats the fused GEMV (measured, docs/benchmarks.md)
+# CPU batch sizes from which dequant + BLAS GEMM beats the fused GEMV (measured, docs/benchmarks.md). The int8
+# default is the kernel's own (`int8_gemm_min_rows`: 64 on the AVX2 table, 17 elsewhere); this one stands in
+# where there is no kernel yet (or an older extension without the attribute).
 GEMM_MIN_ROWS_INT8 = 17
 GEMM_MIN_ROWS_EXACT = 8
 
@@ -125,10 +127,11 @@ class QuantLinear(KernelLinear):
         exact: CPU only. False (default; env EXL_CPU_EXACT=1 flips it): small batches multiply
             int8-quantized activations (per 32 channels, like llama.cpp's Q8_0), adding a relative
             output error of about 0.5% RMS; True: fp32 activations throughout.
-        gemm_min_rows: CPU only. From this many input rows on, use dequant + BLAS GEMM. Default:
-            17 for int8 activations (the int8 kernel matches or beats GEMM up to 16 rows on the
-            SmolLM2 shapes, docs/benchmarks.md), 8 with `exact=True` (the fp32 GEMV's cost per
-            row is about GEMM's from 8 rows on).
+        gemm_min_rows: CPU only. From this many input rows on, use dequant + BLAS GEMM (rows below
+            it take the batch-invariant GEMV). Default: the CPU kernel's `int8_gemm_min_rows` for
+            int8 activations (64 on the AVX2 table, 17 on the others; measured over a whole model,
+            docs/benchmarks.md), 8 with `exact=True` (the fp32 GEMV's cost per row is about GEMM's
+            from 8 rows on).
     """
 
     REQUIRED = REQUIRED
@@ -137,7 +140,21 @@ class QuantLinear(KernelLinear):
     def __init__(self, tensors: dict[str, torch.Tensor], *, exact: bool | None = None, gemm_min_rows: int | None = None):
         super().__init__(tensors)
         self.exact = _default_exact() if exact is None else exact
-        self.gemm_min_rows = gemm_min_rows or (GEMM_MIN_ROWS_EXACT if self.exact else GEMM_MIN_ROWS_INT8)
+        self._gemm_min_rows = gemm_min_rows  # None: the default below
+
+    @property
+    def gemm_min_rows(self) -> int:
+        """CPU: from this many input rows on, dequant + BLAS GEMM (given, else 8 exact, else the kernel's
+        `int8_gemm_min_rows`, or GEMM_MIN_ROWS_INT8 before the kernel is built)."""
+        if self._gemm_min_rows:
+            return self._gemm_min_rows
+        if self.exact:
+            return GEMM_MIN_ROWS_EXACT
+        return getattr(self._kernel or None, "int8_gemm_min_rows", GEMM_MIN_ROWS_INT8)
+
+    @gemm_min_rows.setter
+    def gemm_min_rows(self, rows: int | None) -> None:
+        self._gemm_min_rows = rows
 
     def _make_kernel(self, ext, device):
         t = self.tensors()

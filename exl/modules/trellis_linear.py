@@ -29,7 +29,8 @@ GEMM_MIN_ROWS_INT8 = 17
 GEMM_MIN_ROWS_EXACT = 32
 # the two-table codes' int8 GEMV decodes without multiplies; each extra row is two vpdpbusd per 64 weights, so it
 # beats the GEMM up to about 64 rows on a Xeon (docs/benchmarks.md, "Trellis-coded layers"), and at every batch
-# size on AMD Zen 4, whose AVX-512 fp32 FMAs run at half width (the CPU kernel's `int8_every_batch` says where)
+# size on AMD Zen 4, whose AVX-512 fp32 FMAs run at half width; on the AVX2 table only up to 16 rows (the CPU
+# kernel's `int8_gemm_min_rows` says which; these constants stand in before the kernel exists)
 GEMM_MIN_ROWS_INT8_TWO_TABLE = 64
 GEMM_NEVER = 2**63 - 1  # a gemm_min_rows no batch reaches (int64 for the kernels)
 
@@ -45,8 +46,9 @@ class TrellisLinear(KernelLinear):
             activations (per 32 channels, as QuantLinear's int8 path; about 0.5% RMS relative output
             error; the same bits on every CPU table); True: fp32 activations throughout.
         gemm_min_rows: CPU only. From this many input rows on, use tile decode + BLAS GEMM (rows
-            below it take the batch-invariant GEMV). Default 17 (int8; 64 for codes 2 and 3, and no GEMM
-            for them on AMD Zen 4, where their int8 GEMV is faster at every batch size), 32 (exact).
+            below it take the batch-invariant GEMV). Default 17 (int8; for codes 2 and 3 64, 17 on the
+            AVX2 table, where their GEMV is compute-bound, and no GEMM on AMD Zen 4, where their int8
+            GEMV is faster at every batch size), 32 (exact).
     """
 
     REQUIRED = ("trellis", "tscale", "tmeta", "su", "sv")
@@ -67,15 +69,19 @@ class TrellisLinear(KernelLinear):
 
     @property
     def gemm_min_rows(self) -> int:
-        """CPU: from this many input rows on, tile decode + BLAS GEMM (given, else 32 exact, else 17 for code 1
-        and 64 for codes 2 and 3, or GEMM_NEVER where the CPU kernel's int8 GEMV wins at every batch size)."""
+        """CPU: from this many input rows on, tile decode + BLAS GEMM (given, else 32 exact, else the CPU kernel's
+        `int8_gemm_min_rows`: 17 for code 1; for codes 2 and 3 64, 17 on the AVX2 table, GEMM_NEVER where the int8
+        GEMV wins at every batch size; before the kernel is built, 17 / 64)."""
         if self._gemm_min_rows:
             return self._gemm_min_rows
         if self.exact:
             return GEMM_MIN_ROWS_EXACT
+        k = self._kernel or None
+        if hasattr(k, "int8_gemm_min_rows"):
+            return k.int8_gemm_min_rows
         if self.meta.code not in F.TWO_TABLE_CODES:
             return GEMM_MIN_ROWS_INT8
-        return GEMM_NEVER if getattr(self._kernel or None, "int8_every_batch", False) else GEMM_MIN_ROWS_INT8_TWO_TABLE
+        return GEMM_NEVER if getattr(k, "int8_every_batch", False) else GEMM_MIN_ROWS_INT8_TWO_TABLE
 
     @gemm_min_rows.setter
     def gemm_min_rows(self, rows: int | None) -> None:
