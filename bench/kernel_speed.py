@@ -4,6 +4,7 @@
     python bench/kernel_speed.py --cuda       # CUDA kernels (float16) vs dense fp16 F.linear
     python bench/kernel_speed.py --isas avxvnni,avx512vnni [--model DIR]   # int8 GEMV per instruction set
     python bench/kernel_speed.py --trellis [--isas avx2,avx512vnni]   # trellis GEMV vs 4-bit scalar, per ISA
+    python bench/kernel_speed.py --crossover DIR [--rows 4,8,16,32,64,128]   # int8 GEMV vs GEMM over a model
     python bench/kernel_speed.py [--cuda] --json   # one JSON line: decode GEMV GB/s against the device's bandwidth
                                               # (with --cuda also the trellis GEMV, codes 1, 2 and 3, and the
                                               # paged decode attention against torch's SDPA)
@@ -12,6 +13,11 @@ The --isas mode times the int8-activation GEMV of each instruction set on SmolLM
 mixes (hot, one row; the cost of each extra activation row from 2 to 16 rows) and, with --model,
 a cold decode step: every QuantLinear of the model once, one after another. It uses thread CPU
 time (best of several runs), which a busy machine disturbs less than wall time.
+
+The --crossover mode runs every quantized layer of an exl model once, one after another (cold weights, as a
+prefill does), at each batch size in --rows, once through the int8 GEMV and once through dequant (tile decode)
++ BLAS GEMM, interleaved, and prints the time of each per kind of layer (scalar codes; trellis code c) and the
+ratio. Where the ratio passes 1 is where a kernel table's `int8_gemm_min_rows` belongs (wall time, median of 5).
 
 Shapes are N x K (out x in): q/o_proj 576x576, gate/up 1536x576, down 576x1536, lm_head 49152x576.
 Prints the best of repeated runs, the speed ratio to F.linear and the rate at which the packed
@@ -411,6 +417,46 @@ def gemv_json(args):
                       "trellis": trellis, "attention": attention, "attention_error": attention_error}))
 
 
+def bench_crossover(args):
+    """int8 GEMV vs dequant + GEMM over every quantized layer of a model, per layer kind and batch size."""
+    import statistics
+
+    import exl
+    from exl.modules.quant_linear import KernelLinear
+
+    model = exl.load_model(args.crossover, progress=False)
+    kinds: dict[str, list] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, KernelLinear) and name.startswith("layers"):  # the blocks' layers (not the head)
+            meta = getattr(mod, "meta", None)
+            kinds.setdefault("scalar codes" if meta is None else f"trellis code {meta.code}", []).append(mod)
+    first = next(iter(kinds.values()))[0].kernel()
+    print(f"{args.crossover}: {torch.get_num_threads()} threads, kernel table {first.isa}; ms per pass over the "
+          "layers (median of 5), int8 GEMV / dequant + GEMM")
+    print("| rows | " + " | ".join(f"{k} ({len(v)}): int8 / GEMM / ratio" for k, v in kinds.items()) + " |")
+    print("|---|" + "---|" * len(kinds))
+
+    def run(calls, path):
+        t = time.perf_counter()
+        for k, x in calls:
+            k.forward(x, path, 1 << 62, False)
+        return (time.perf_counter() - t) * 1e3
+
+    for m in args.rows:
+        cells = []
+        for layers in kinds.values():
+            calls = [(mod.kernel(), torch.randn(m, mod.in_features)) for mod in layers]
+            times = {"int8": [], "gemm": []}
+            for rep in range(6):
+                for path in times:
+                    elapsed = run(calls, path)
+                    if rep:  # the first round warms up
+                        times[path].append(elapsed)
+            a, b = statistics.median(times["int8"]), statistics.median(times["gemm"])
+            cells.append(f"{a:.1f} / {b:.1f} / {a / b:.2f}")
+        print(f"| {m} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cuda", action="store_true", help="benchmark the CUDA kernels")
@@ -430,11 +476,15 @@ def main():
     ap.add_argument("--codes", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 3],
                     help="trellis codes for --trellis (codes 2 and 3 always at L = 12, with the default tables)")
     ap.add_argument("--json", action="store_true", help="one JSON line: decode GEMV GB/s vs the device's bandwidth")
+    ap.add_argument("--crossover", metavar="DIR", default=None,
+                    help="an exl model folder: int8 GEMV vs dequant + GEMM over its layers at each of --rows")
     args = ap.parse_args()
     if args.threads:
         fix_threads(args.threads)
     if args.json:
         return gemv_json(args)
+    if args.crossover:
+        return bench_crossover(args)
     (bench_cuda if args.cuda else bench_trellis if args.trellis else bench_isas if args.isas else bench_cpu)(args)
 
 
