@@ -91,7 +91,7 @@ class QuantLinearCPU : public LinearCPU {
   void set_isa(const std::string& name) { kernels_ = kernels_named(name); }
 
   // The batch size from which dequant + fp32 BLAS GEMM beats the int8 GEMV on this table, measured
-  // over a whole model's layers (cold weights, docs/benchmarks.md "2026-12-06 #2"): 64 on the AVX2
+  // over a whole model's layers (cold weights, docs/benchmarks.md, "2026-12-06 (second session)"): 64 on the AVX2
   // table (the GEMM path streams each weight as fp32 three times, which costs more than the int8 GEMV's
   // per-row work up to ~64 rows on a Zen 3), 17 on the others (measured on a Xeon, one layer, hot).
   int64_t int8_gemm_min_rows() const { return std::string(kernels_->name) == "avx2" ? 64 : 17; }
