@@ -31,10 +31,13 @@ struct ActQ8 {
   const float* gsum;   // [M, n_groups]: sum over the group's blocks j of d[m, j] * sum(q[m, block j])
   const float* bsum;   // [M, K/32 + 8]: sum(q[m, block j]) as float, zero-padded by 8 blocks per row
   int64_t M;
-  // q in pair order (nullptr for one row): in each segment, blocks 2i and 2i+1 (counted from the
+  // q in pair order (nullptr unless Kernels::uses_pairs): in each segment, blocks 2i and 2i+1 (counted from the
   // segment's first block) are stored as [b lo16 | b+1 lo16 | b hi16 | b+1 hi16] (16-byte halves),
   // an odd last block as is. The AVX2 small-batch kernels dot two blocks per vector this way.
   const int8_t* qp;
+  // d with every block's step repeated 4 times ([M, K/32*4]; nullptr where qp is): the steps of
+  // blocks b and b+1 as one vector at dx4 + 4 b, as the pair-order dot products lay them out.
+  const float* dx4;
 };
 
 struct Kernels {
@@ -55,7 +58,7 @@ struct Kernels {
   // sign bits applied before (signs_first) or after the transform.
   void (*fwht)(float* x, int64_t rows, int64_t n, int64_t ld, int64_t block, const uint8_t* signs,
                bool signs_first);
-  // gemv_q8 reads ActQ8::qp for several rows (the caller builds it only then).
+  // gemv_q8 reads ActQ8::qp and ActQ8::dx4 (the caller builds them for every call).
   bool uses_pairs;
 };
 

@@ -122,8 +122,8 @@ class QuantLinearCPU : public LinearCPU {
 
     // Scratch: kept per thread for small batches (decode calls this per layer per token), freed
     // after the call for large ones.
-    const size_t need = 64 * 8 + size_t(M) * K * sizeof(float) * 2 + size_t(M) * K + size_t(M) * (K / kBlock + 8) * 12 +
-                        size_t(M) * layer_.n_groups * 4;
+    const size_t need = 64 * 9 + size_t(M) * K * sizeof(float) * 2 + size_t(M) * K + size_t(M) * (K / kBlock + 8) * 12 +
+                        size_t(M) * layer_.n_groups * 4 + size_t(M) * (K / kBlock) * 16;
     thread_local std::vector<uint8_t> small_buf;
     std::vector<uint8_t> large_buf;
     std::vector<uint8_t>& buf = M <= 64 ? small_buf : large_buf;
@@ -150,7 +150,8 @@ class QuantLinearCPU : public LinearCPU {
       float* bsumf = scratch<float>(buf, used, size_t(M) * (nb + 8));
       const void* pp = perm_.defined() ? perm_.data_ptr() : nullptr;
       const int pb = perm_.defined() ? int(perm_.element_size()) : 0;
-      int8_t* qp = M > 1 && kernels_->uses_pairs ? scratch<int8_t>(buf, used, size_t(M) * K) : nullptr;
+      int8_t* qp = kernels_->uses_pairs ? scratch<int8_t>(buf, used, size_t(M) * K) : nullptr;
+      float* dx4 = kernels_->uses_pairs ? scratch<float>(buf, used, size_t(M) * nb * 4) : nullptr;
       auto quantize_row = [&](int64_t m) {
         kernels_->quantize_q8(u + m * K, K, pp, pb, q + m * K, d + m * nb, bsum + m * nb);
         for (int64_t b = 0; b < nb + 8; ++b) bsumf[m * (nb + 8) + b] = b < nb ? float(bsum[m * nb + b]) : 0.0f;
@@ -167,13 +168,16 @@ class QuantLinearCPU : public LinearCPU {
             gs[sg.group_start + g] = acc;
           }
         }
-        if (qp) pair_order(q + m * K, qp + m * K);
+        if (qp) {
+          pair_order(q + m * K, qp + m * K);
+          for (int64_t b = 0; b < nb * 4; ++b) dx4[m * nb * 4 + b] = d[m * nb + b / 4];
+        }
       };
       // rows are independent: the team's threads share them (a 16-row decode step does this per layer)
       exl::cpu::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
         for (int64_t m = r0; m < r1; ++m) quantize_row(m);
       });
-      const ActQ8 a{q, d, gsum, bsumf, M, qp};
+      const ActQ8 a{q, d, gsum, bsumf, M, qp, dx4};
       exl::cpu::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { kernels_->gemv_q8(layer_, a, yp, N, n0, n1); });
     } else {
       // 2. u' = u[perm]
