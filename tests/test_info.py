@@ -59,8 +59,8 @@ def test_info_text_names_the_isa_and_a_bad_choice(ext):
     every = layer.int8_every_batch
     assert cpu["trellis_gemm_min_rows"] == (None if every else layer.int8_gemm_min_rows)
     assert every == ("int8 GEMV at every size" in res.stdout)
-    # scalar codes: the table's own cutover (64 rows on AVX2, 17 elsewhere), said in words too
-    assert cpu["gemm_min_rows"] == (64 if best == "avx2" else 17)
+    # scalar codes: the table's own cutover (128 rows on AVX2, 17 elsewhere), said in words too
+    assert cpu["gemm_min_rows"] == (128 if best == "avx2" else 17)
     assert f"scalar codes, batches (prefill): dequant + fp32 GEMM from {cpu['gemm_min_rows']} rows" in res.stdout
     bad = exl_info("--json", EXL_CPU_ISA="avx9000")
     assert "instruction set 'avx9000' is not available" in json.loads(bad.stdout)["extensions"]["cpu"]["isa_error"]

@@ -305,7 +305,7 @@ def test_quant_linear_module_dispatch_and_storage(ext):
     assert torch.allclose(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
     exact = QuantLinear(t, exact=True)(x)
     assert torch.allclose(exact, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-    big = torch.randn(80, 192)  # GEMM path (every table's cutover is at most 64 rows)
+    big = torch.randn(144, 192)  # GEMM path (every table's cutover is at most 128 rows)
     assert torch.allclose(layer(big), F.reference_forward(big, t), rtol=1e-4, atol=1e-4)
     # the default cutover: the table's own (int8 GEMV below int8_gemm_min_rows, GEMM from it); exact: fp32
     # GEMV below 8 rows
@@ -328,11 +328,11 @@ def test_quant_linear_module_dispatch_and_storage(ext):
 
 
 def test_gemm_min_rows_default_per_table(ext):
-    """Where dequant + GEMM takes over from the int8 GEMV: 64 rows on the AVX2 table (measured over a whole model
-    on a Zen 3, docs/benchmarks.md), 17 on the others; a given limit or exact=True overrides the table."""
+    """Where dequant + GEMM takes over from the int8 GEMV: 128 rows on the AVX2 table (measured over a whole
+    model on a Zen 3, docs/benchmarks.md), 17 on the others; a given limit or exact=True overrides the table."""
     t = random_layer(16, [F.Segment(64, 4, 64)], seed=3)
     for isa in isas():
-        assert kernel(ext, t, isa).int8_gemm_min_rows == (64 if isa == "avx2" else 17), isa
+        assert kernel(ext, t, isa).int8_gemm_min_rows == (128 if isa == "avx2" else 17), isa
     m = QuantLinear(t)
     assert m.gemm_min_rows == 17  # before the kernel exists: the module's stand-in
     m.kernel()

@@ -116,7 +116,7 @@ def test_a_batch_past_the_gemm_threshold_decodes_in_the_team(tmp_path, ext, thre
         quantize_randomly(model)
         from exl.modules.quant_linear import QuantLinear
 
-        for m in model.modules():  # past the GEMM threshold on every table (the AVX2 table's own is 64 rows)
+        for m in model.modules():  # past the GEMM threshold on every table (the AVX2 table's own is 128 rows)
             if isinstance(m, QuantLinear):
                 m.gemm_min_rows = 17
     ids = torch.randint(0, BASE["vocab_size"], (60,), generator=g(5)).tolist()

@@ -91,10 +91,11 @@ class QuantLinearCPU : public LinearCPU {
   void set_isa(const std::string& name) { kernels_ = kernels_named(name); }
 
   // The batch size from which dequant + fp32 BLAS GEMM beats the int8 GEMV on this table, measured
-  // over a whole model's layers (cold weights, docs/benchmarks.md, "2026-12-06 (second session)"): 64 on the AVX2
-  // table (the GEMM path streams each weight as fp32 three times, which costs more than the int8 GEMV's
-  // per-row work up to ~64 rows on a Zen 3), 17 on the others (measured on a Xeon, one layer, hot).
-  int64_t int8_gemm_min_rows() const { return std::string(kernels_->name) == "avx2" ? 64 : 17; }
+  // over a whole model's layers (cold weights) and through the generator's prefill (docs/benchmarks.md,
+  // "2026-12-06 (third session)"): 128 on the AVX2 table (the GEMM path streams each weight as fp32 three times,
+  // which costs more than the int8 GEMV's per-row work up to ~120 rows on a Zen 3 since its 2x4 tiles),
+  // 17 on the others (measured on a Xeon, one layer, hot).
+  int64_t int8_gemm_min_rows() const { return std::string(kernels_->name) == "avx2" ? 128 : 17; }
 
   // Q [N, K] in permuted order, fp32.
   at::Tensor dequantize() const {
