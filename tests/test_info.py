@@ -58,10 +58,13 @@ def test_info_text_names_the_isa_and_a_bad_choice(ext):
                                  F.pack_signs(torch.ones(16)), None, tcode=F.two_table_default(3))
     every = layer.int8_every_batch
     assert cpu["trellis_gemm_min_rows"] == (None if every else layer.int8_gemm_min_rows)
-    assert every == ("int8 GEMV at every size" in res.stdout)
-    # scalar codes: the table's own cutover (128 rows on AVX2, 17 elsewhere), said in words too
-    assert cpu["gemm_min_rows"] == (128 if best == "avx2" else 17)
-    assert f"scalar codes, batches (prefill): dequant + fp32 GEMM from {cpu['gemm_min_rows']} rows" in res.stdout
+    assert every == ("trellis codes 2 and 3, batches (prefill): int8 GEMV at every size" in res.stdout)
+    # scalar codes: the table's own cutover (None: never, on AVX-512 VNNI), said in words too
+    assert cpu["gemm_min_rows"] == {"avx2": 128, "avxvnni": 64, "avx512vnni": None, "scalar": 17}[best]
+    if cpu["gemm_min_rows"] is None:
+        assert "scalar codes, batches (prefill): int8 GEMV at every size" in res.stdout
+    else:
+        assert f"scalar codes, batches (prefill): dequant + fp32 GEMM from {cpu['gemm_min_rows']} rows" in res.stdout
     bad = exl_info("--json", EXL_CPU_ISA="avx9000")
     assert "instruction set 'avx9000' is not available" in json.loads(bad.stdout)["extensions"]["cpu"]["isa_error"]
 

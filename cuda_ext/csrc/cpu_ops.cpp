@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -92,10 +93,15 @@ class QuantLinearCPU : public LinearCPU {
 
   // The batch size from which dequant + fp32 BLAS GEMM beats the int8 GEMV on this table, measured
   // over a whole model's layers (cold weights) and through the generator's prefill (docs/benchmarks.md,
-  // "2026-12-06 (third session)"): 128 on the AVX2 table (the GEMM path streams each weight as fp32 three times,
-  // which costs more than the int8 GEMV's per-row work up to ~120 rows on a Zen 3 since its 2x4 tiles),
-  // 17 on the others (measured on a Xeon, one layer, hot).
-  int64_t int8_gemm_min_rows() const { return std::string(kernels_->name) == "avx2" ? 128 : 17; }
+  // "2026-12-06 (third session)" and "(fourth session)"); the GEMM path streams each weight as fp32 three
+  // times. AVX-512 VNNI: never (the int8 GEMV is faster up to 1024 rows on a Sapphire Rapids-class Xeon,
+  // 2**63-1); AVX-VNNI: 64 (about 60 on that Xeon with the table forced, against an AVX-512 BLAS); AVX2: 128
+  // (~120 on a Zen 3 since its 2x4 tiles); the scalar table: 17.
+  int64_t int8_gemm_min_rows() const {
+    const std::string name = kernels_->name;
+    if (name == "avx512vnni") return std::numeric_limits<int64_t>::max();
+    return name == "avx2" ? 128 : name == "avxvnni" ? 64 : 17;
+  }
 
   // Q [N, K] in permuted order, fp32.
   at::Tensor dequantize() const {

@@ -80,7 +80,8 @@ def _cpu_isa(ext) -> dict:
         return out
     out["isa"] = layer.isa
     if hasattr(layer, "int8_gemm_min_rows"):  # where scalar-coded layers switch from the int8 GEMV to the GEMM
-        out["gemm_min_rows"] = layer.int8_gemm_min_rows
+        rows = layer.int8_gemm_min_rows
+        out["gemm_min_rows"] = None if rows == 2**63 - 1 else rows  # None: the int8 GEMV at every size
     if hasattr(ext, "TrellisLinearCPU"):  # where trellis codes 2 and 3 switch from the int8 GEMV to the GEMM
         from exl.modules.trellis_linear import GEMM_NEVER, TrellisLinear
 
@@ -135,8 +136,9 @@ def run(args) -> int:
             chosen = e.get("isa") or f"error: {e.get('isa_error')}"
             print(f"  CPU instruction set: {chosen}   (available: {', '.join(e['isa_available'])})")
             if "gemm_min_rows" in e:
-                print(f"  scalar codes, batches (prefill): dequant + fp32 GEMM from {e['gemm_min_rows']} rows, "
-                      "int8 GEMV below")
+                rows = e["gemm_min_rows"]
+                print("  scalar codes, batches (prefill): " + ("int8 GEMV at every size" if rows is None
+                                                               else f"dequant + fp32 GEMM from {rows} rows, int8 GEMV below"))
             if "trellis_gemm_min_rows" in e:
                 rows = e["trellis_gemm_min_rows"]
                 print("  trellis codes 2 and 3, batches (prefill): " + (

@@ -23,7 +23,8 @@ from exl.errors import ExlError
 REQUIRED = ("qweight", "qscale", "qmeta")
 OPTIONAL = ("perm", "su", "sv", "bias")
 # CPU batch sizes from which dequant + BLAS GEMM beats the fused GEMV (measured, docs/benchmarks.md). The int8
-# default is the kernel's own (`int8_gemm_min_rows`: 128 on the AVX2 table, 17 elsewhere); this one stands in
+# default is the kernel's own (`int8_gemm_min_rows`: 128 on the AVX2 table, 64 on AVX-VNNI, never
+# (2**63-1) on AVX-512 VNNI, 17 on the scalar table); this one stands in
 # where there is no kernel yet (or an older extension without the attribute).
 GEMM_MIN_ROWS_INT8 = 17
 GEMM_MIN_ROWS_EXACT = 8
@@ -129,7 +130,8 @@ class QuantLinear(KernelLinear):
             output error of about 0.5% RMS; True: fp32 activations throughout.
         gemm_min_rows: CPU only. From this many input rows on, use dequant + BLAS GEMM (rows below
             it take the batch-invariant GEMV). Default: the CPU kernel's `int8_gemm_min_rows` for
-            int8 activations (128 on the AVX2 table, 17 on the others; measured over a whole model,
+            int8 activations (128 on the AVX2 table, 64 on AVX-VNNI, never on AVX-512 VNNI, 17 on the
+            scalar table; measured over a whole model,
             docs/benchmarks.md), 8 with `exact=True` (the fp32 GEMV's cost per row is about GEMM's
             from 8 rows on).
     """
