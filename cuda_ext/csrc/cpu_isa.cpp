@@ -91,25 +91,5 @@ bool resolve(const std::string& request, Level* level, std::string* error) {
   return true;
 }
 
-bool avx512_half_width() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool zen4 = [] {
-    unsigned a, b, c, d;
-    if (!supported(kAvx512Vnni) || !__get_cpuid(0, &a, &b, &c, &d)) return false;
-    char vendor[13];
-    memcpy(vendor, &b, 4);
-    memcpy(vendor + 4, &d, 4);
-    memcpy(vendor + 8, &c, 4);
-    vendor[12] = 0;
-    if (strcmp(vendor, "AuthenticAMD") != 0 || !__get_cpuid(1, &a, &b, &c, &d)) return false;
-    const unsigned base = (a >> 8) & 0xf, extended = (a >> 20) & 0xff;
-    return (base == 0xf ? base + extended : base) == 0x19;
-  }();
-  return zen4;
-#else
-  return false;
-#endif
-}
-
 }  // namespace isa
 }  // namespace exl

@@ -29,9 +29,6 @@ std::string all_names();
 // The level a request means: "" or "auto" -> EXL_CPU_ISA when set, else best(). Anything else must
 // name a supported level; otherwise *error says what is wrong and what to do, and false is returned.
 bool resolve(const std::string& request, Level* level, std::string* error);
-// Whether this CPU runs AVX-512 on 256-bit datapaths (AMD family 19h with AVX-512: Zen 4), where an
-// fp32 FMA does half the work per cycle of a Xeon's while the int8 kernels keep pace.
-bool avx512_half_width();
 
 }  // namespace isa
 }  // namespace exl

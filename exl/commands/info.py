@@ -142,7 +142,7 @@ def run(args) -> int:
             if "trellis_gemm_min_rows" in e:
                 rows = e["trellis_gemm_min_rows"]
                 print("  trellis codes 2 and 3, batches (prefill): " + (
-                    "int8 GEMV at every size (AVX-512 on 256-bit datapaths, AMD Zen 4)" if rows is None
+                    "int8 GEMV at every size (the AVX-512 trellis table)" if rows is None
                     else f"tile decode + fp32 GEMM from {rows} rows, int8 GEMV below"))
         if e.get("error"):
             print("  " + e["error"].replace("\n", "\n  "))

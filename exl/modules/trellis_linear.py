@@ -27,10 +27,10 @@ from exl.modules.quant_linear import KernelLinear, _default_exact
 # the int8 GEMV costs more per extra row than the fp32 one (one vpdpbusd per row and column on port 0)
 GEMM_MIN_ROWS_INT8 = 17
 GEMM_MIN_ROWS_EXACT = 32
-# the two-table codes' int8 GEMV decodes without multiplies; each extra row is two vpdpbusd per 64 weights, so it
-# beats the GEMM up to about 64 rows on a Xeon (docs/benchmarks.md, "Trellis-coded layers"), and at every batch
-# size on AMD Zen 4, whose AVX-512 fp32 FMAs run at half width; on the AVX2 table only up to 16 rows (the CPU
-# kernel's `int8_gemm_min_rows` says which; these constants stand in before the kernel exists)
+# the two-table codes' int8 GEMV decodes without multiplies; each extra row is two vpdpbusd per 64 weights, so on
+# the AVX-512 table it beats the GEMM at every batch size (a whole model, on AMD Zen 4 and on a Xeon;
+# docs/benchmarks.md), on the AVX2 table only up to 16 rows; code 1's up to 95 rows on AVX-512, 16 elsewhere (the
+# CPU kernel's `int8_gemm_min_rows` says which; these constants stand in before the kernel exists)
 GEMM_MIN_ROWS_INT8_TWO_TABLE = 64
 GEMM_NEVER = 2**63 - 1  # a gemm_min_rows no batch reaches (int64 for the kernels)
 
@@ -46,9 +46,9 @@ class TrellisLinear(KernelLinear):
             activations (per 32 channels, as QuantLinear's int8 path; about 0.5% RMS relative output
             error; the same bits on every CPU table); True: fp32 activations throughout.
         gemm_min_rows: CPU only. From this many input rows on, use tile decode + BLAS GEMM (rows
-            below it take the batch-invariant GEMV). Default 17 (int8; for codes 2 and 3 64, 17 on the
-            AVX2 table, where their GEMV is compute-bound, and no GEMM on AMD Zen 4, where their int8
-            GEMV is faster at every batch size), 32 (exact).
+            below it take the batch-invariant GEMV). Default: the CPU kernel's `int8_gemm_min_rows` (codes
+            2 and 3: no GEMM on the AVX-512 table, where their int8 GEMV is faster at every batch size, 17
+            on the AVX2 table, where it is compute-bound, else 64; code 1: 96 on AVX-512, else 17), 32 (exact).
     """
 
     REQUIRED = ("trellis", "tscale", "tmeta", "su", "sv")
@@ -70,8 +70,8 @@ class TrellisLinear(KernelLinear):
     @property
     def gemm_min_rows(self) -> int:
         """CPU: from this many input rows on, tile decode + BLAS GEMM (given, else 32 exact, else the CPU kernel's
-        `int8_gemm_min_rows`: 17 for code 1; for codes 2 and 3 64, 17 on the AVX2 table, GEMM_NEVER where the int8
-        GEMV wins at every batch size; before the kernel is built, 17 / 64)."""
+        `int8_gemm_min_rows`: for code 1 96 on the AVX-512 table, else 17; for codes 2 and 3 GEMM_NEVER on the AVX-512
+        table, 17 on the AVX2 one, else 64; before the kernel is built, 17 / 64)."""
         if self._gemm_min_rows:
             return self._gemm_min_rows
         if self.exact:
