@@ -2,11 +2,6 @@
 #include "cpu_isa.h"
 
 #include <stdlib.h>
-#include <string.h>
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <cpuid.h>
-#endif
 
 namespace exl {
 namespace isa {
