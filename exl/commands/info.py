@@ -68,6 +68,7 @@ def _cpu_isa(ext) -> dict:
     import torch
 
     from exl import format as F
+    from exl.modules.quant_linear import GEMM_NEVER
 
     segs = [F.Segment(32, 4, 32)]
     t = {"qweight": F.pack_codes(torch.zeros(1, 32, dtype=torch.uint8), segs),
@@ -81,9 +82,9 @@ def _cpu_isa(ext) -> dict:
     out["isa"] = layer.isa
     if hasattr(layer, "int8_gemm_min_rows"):  # where scalar-coded layers switch from the int8 GEMV to the GEMM
         rows = layer.int8_gemm_min_rows
-        out["gemm_min_rows"] = None if rows == 2**63 - 1 else rows  # None: the int8 GEMV at every size
+        out["gemm_min_rows"] = None if rows == GEMM_NEVER else rows  # None: the int8 GEMV at every size
     if hasattr(ext, "TrellisLinearCPU"):  # where trellis codes 2 and 3 switch from the int8 GEMV to the GEMM
-        from exl.modules.trellis_linear import GEMM_NEVER, TrellisLinear
+        from exl.modules.trellis_linear import TrellisLinear
 
         meta = F.TrellisMeta(4, F.TWO_TABLE_STATE_BITS, code=3)
         layer = TrellisLinear({"trellis": torch.zeros(1, 1, meta.words_per_tile, dtype=torch.int32),

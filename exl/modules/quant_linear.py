@@ -28,6 +28,7 @@ OPTIONAL = ("perm", "su", "sv", "bias")
 # where there is no kernel yet (or an older extension without the attribute).
 GEMM_MIN_ROWS_INT8 = 17
 GEMM_MIN_ROWS_EXACT = 8
+GEMM_NEVER = 2**63 - 1  # a gemm_min_rows no batch reaches (int64 for the kernels)
 
 
 def _default_exact() -> bool:

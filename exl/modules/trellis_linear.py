@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from exl import format as F
-from exl.modules.quant_linear import KernelLinear, _default_exact
+from exl.modules.quant_linear import GEMM_NEVER, KernelLinear, _default_exact
 
 # CPU batch sizes from which tile decode + BLAS GEMM beats the decode-and-dot GEMV (docs/benchmarks.md):
 # the int8 GEMV costs more per extra row than the fp32 one (one vpdpbusd per row and column on port 0)
@@ -32,7 +32,6 @@ GEMM_MIN_ROWS_EXACT = 32
 # docs/benchmarks.md), on the AVX2 table only up to 16 rows; code 1's up to 95 rows on AVX-512, 16 elsewhere (the
 # CPU kernel's `int8_gemm_min_rows` says which; these constants stand in before the kernel exists)
 GEMM_MIN_ROWS_INT8_TWO_TABLE = 64
-GEMM_NEVER = 2**63 - 1  # a gemm_min_rows no batch reaches (int64 for the kernels)
 
 
 class TrellisLinear(KernelLinear):
