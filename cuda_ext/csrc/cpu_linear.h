@@ -36,11 +36,15 @@ inline std::string env_isa() {
 
 // In place on rows x[m, 0:n] (m < M, contiguous): the normalized blockwise Walsh-Hadamard
 // transform with the sign flip from packed bits applied before it (input rotation) or after it
-// (output rotation); rows split over threads.
-inline void rotate_rows(const Kernels* k, float* x, int64_t M, int64_t n, const uint8_t* signs, bool signs_first) {
+// (output rotation); rows split over threads (chunks of >= ~4K values: a 16-row decode step shares its
+// 576-wide rotations between 2 threads). With `src`, each chunk first copies its rows from src.
+inline void rotate_rows(const Kernels* k, float* x, int64_t M, int64_t n, const uint8_t* signs, bool signs_first,
+                        const float* src = nullptr) {
   const int64_t hb = hadamard_block(n);
-  exl::cpu::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)),
-                   [&](int64_t m0, int64_t m1) { k->fwht(x + m0 * n, m1 - m0, n, n, hb, signs, signs_first); });
+  exl::cpu::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(n, 1)), [&](int64_t m0, int64_t m1) {
+    if (src) std::copy(src + m0 * n, src + m1 * n, x + m0 * n);
+    k->fwht(x + m0 * n, m1 - m0, n, n, hb, signs, signs_first);
+  });
 }
 
 }  // namespace cpu

@@ -141,8 +141,7 @@ class QuantLinearCPU : public LinearCPU {
     const float* u = x2.data_ptr<float>();
     if (su_.defined()) {
       float* r = scratch<float>(buf, used, size_t(M) * K);
-      std::copy(u, u + M * K, r);
-      rotate_rows(kernels_, r, M, K, su_.data_ptr<uint8_t>(), true);
+      rotate_rows(kernels_, r, M, K, su_.data_ptr<uint8_t>(), true, u);
       u = r;
     }
     float* yp = y.data_ptr<float>();

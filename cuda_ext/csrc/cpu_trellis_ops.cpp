@@ -177,8 +177,7 @@ class TrellisLinearCPU : public LinearCPU {
     // 1. u = H (D_u x)
     const at::Tensor x2 = x.reshape({M, K_}).contiguous();
     float* up = reinterpret_cast<float*>(carve(size_t(M) * K_ * 4));
-    std::copy(x2.data_ptr<float>(), x2.data_ptr<float>() + M * K_, up);
-    rotate_rows(kernels_, up, M, K_, su_.data_ptr<uint8_t>(), true);
+    rotate_rows(kernels_, up, M, K_, su_.data_ptr<uint8_t>(), true, x2.data_ptr<float>());
     // 2. z = tscale * (values u)
     const TrellisLayer L = layer();
     float* yp = y.data_ptr<float>();
@@ -192,11 +191,14 @@ class TrellisLinearCPU : public LinearCPU {
       int32_t* qqp = with_qq ? reinterpret_cast<int32_t*>(carve(size_t(M) * K_ * 4)) : nullptr;
       float* dp = reinterpret_cast<float*>(carve(size_t(M) * nb * 4));
       int32_t* bp = reinterpret_cast<int32_t*>(carve(size_t(M) * nb * 4));
-      for (int64_t m = 0; m < M; ++m) {
-        kernels_->quantize_q8(up + m * K_, K_, nullptr, 0, qp + m * K_, dp + m * nb, bp + m * nb);
-        if (qqp)
-          for (int64_t k = 0; k < K_; ++k) qqp[m * K_ + k] = int32_t(uint32_t(uint8_t(qp[m * K_ + k])) * 0x01010101u);
-      }
+      // rows are independent: the team's threads share them (as the scalar layers do)
+      exl::cpu::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K_, 1)), [&](int64_t r0, int64_t r1) {
+        for (int64_t m = r0; m < r1; ++m) {
+          kernels_->quantize_q8(up + m * K_, K_, nullptr, 0, qp + m * K_, dp + m * nb, bp + m * nb);
+          if (qqp)
+            for (int64_t k = 0; k < K_; ++k) qqp[m * K_ + k] = int32_t(uint32_t(uint8_t(qp[m * K_ + k])) * 0x01010101u);
+        }
+      });
       exl::cpu::parallel_for(0, tiles, grain, [&](int64_t i0, int64_t i1) {
         trellis_kernels_->gemv_q8(L, qp, qqp, dp, bp, M, yp, N_, i0, i1);
       });
