@@ -67,7 +67,7 @@ def test_text_prompts_have_the_exact_token_count(smollm_dir):
 def test_target_table_direction_and_verdicts():
     summ = lambda **kw: {"median_ttft_ms": 0.0, "output_throughput": 0.0, **kw}  # noqa: E731
     res = {"plan": {"decode_tokens": 128, "ttft_prompt": 200},
-           "decode": {"exl": {"mean": 96.0}, "llamacpp": {"mean": 80.0}, "exl_bench_tg": {"mean": 100.0}},
+           "decode": {"exl": {"median": 96.0}, "llamacpp": {"median": 80.0}, "exl_bench_tg": {"median": 100.0}},
            "ttft": {"exl": summ(median_ttft_ms=90.0), "llamacpp": summ(median_ttft_ms=100.0)},
            "concurrency": {8: {"exl": summ(output_throughput=250.0), "llamacpp": summ(output_throughput=100.0)},
                            32: {"exl": summ(output_throughput=150.0), "llamacpp": summ(output_throughput=100.0)}}}
