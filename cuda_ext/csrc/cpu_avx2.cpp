@@ -14,7 +14,7 @@ namespace exl {
 namespace cpu {
 namespace {
 #include "cpu_simd.inc"
-const Kernels kTable = {"avx2", gemv_f32, gemv_q8, quantize_q8, dequant, fwht, true};
+const Kernels kTable = {"avx2", gemv_f32, gemv_q8, quantize_q8, dequant, fwht, true, 128};
 }  // namespace
 const Kernels* avx2_kernels() { return &kTable; }
 }  // namespace cpu

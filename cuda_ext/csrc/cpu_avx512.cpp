@@ -564,7 +564,7 @@ void gemv_q8(const Layer& L, const ActQ8& a, float* y, int64_t ldy, int64_t n0, 
   }
 }
 
-const Kernels kTable = {"avx512vnni", v256::gemv_f32, gemv_q8, v256::quantize_q8, v256::dequant, v256::fwht, false};
+const Kernels kTable = {"avx512vnni", v256::gemv_f32, gemv_q8, v256::quantize_q8, v256::dequant, v256::fwht, false, kGemmNever};
 }  // namespace
 const Kernels* avx512vnni_kernels() { return &kTable; }
 }  // namespace cpu

@@ -14,7 +14,7 @@ namespace exl {
 namespace cpu {
 namespace {
 #include "cpu_simd.inc"
-const Kernels kTable = {"avxvnni", gemv_f32, gemv_q8, quantize_q8, dequant, fwht, true};
+const Kernels kTable = {"avxvnni", gemv_f32, gemv_q8, quantize_q8, dequant, fwht, true, 64};
 }  // namespace
 const Kernels* avxvnni_kernels() { return &kTable; }
 }  // namespace cpu

@@ -60,7 +60,17 @@ struct Kernels {
                bool signs_first);
   // gemv_q8 reads ActQ8::qp and ActQ8::dx4 (the caller builds them for every call).
   bool uses_pairs;
+  // The batch size from which dequant + fp32 BLAS GEMM beats this table's int8 GEMV (kGemmNever: never),
+  // measured over a whole model's layers (cold weights) and through the generator's prefill
+  // (docs/benchmarks.md, "2026-12-06 (third session)" and "(fourth session)"); the GEMM streams each weight
+  // as fp32 three times. AVX-512 VNNI: never (the int8 GEMV is faster up to 1024 rows on a Sapphire
+  // Rapids-class Xeon); AVX-VNNI: 64 (about 60 on that Xeon with the table forced, against an AVX-512 BLAS);
+  // AVX2: 128 (~120 on a Zen 3 since its 2x4 tiles); scalar: 17.
+  int64_t int8_gemm_min_rows;
 };
+
+// A table's "never switch to the GEMM" (exl/modules/quant_linear.py's GEMM_NEVER).
+constexpr int64_t kGemmNever = INT64_MAX;
 
 const Kernels* scalar_kernels();
 const Kernels* avx2_kernels();     // AVX2 + FMA + F16C

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <limits>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -91,17 +90,8 @@ class QuantLinearCPU : public LinearCPU {
   std::string isa() const { return kernels_->name; }
   void set_isa(const std::string& name) { kernels_ = kernels_named(name); }
 
-  // The batch size from which dequant + fp32 BLAS GEMM beats the int8 GEMV on this table, measured
-  // over a whole model's layers (cold weights) and through the generator's prefill (docs/benchmarks.md,
-  // "2026-12-06 (third session)" and "(fourth session)"); the GEMM path streams each weight as fp32 three
-  // times. AVX-512 VNNI: never (the int8 GEMV is faster up to 1024 rows on a Sapphire Rapids-class Xeon,
-  // 2**63-1); AVX-VNNI: 64 (about 60 on that Xeon with the table forced, against an AVX-512 BLAS); AVX2: 128
-  // (~120 on a Zen 3 since its 2x4 tiles); the scalar table: 17.
-  int64_t int8_gemm_min_rows() const {
-    const std::string name = kernels_->name;
-    if (name == "avx512vnni") return std::numeric_limits<int64_t>::max();
-    return name == "avx2" ? 128 : name == "avxvnni" ? 64 : 17;
-  }
+  // The batch size from which dequant + fp32 BLAS GEMM beats the int8 GEMV on this table (Kernels).
+  int64_t int8_gemm_min_rows() const { return kernels_->int8_gemm_min_rows; }
 
   // Q [N, K] in permuted order, fp32.
   at::Tensor dequantize() const {

@@ -154,7 +154,7 @@ void fwht(float* x, int64_t rows, int64_t n, int64_t ld, int64_t block, const ui
   }
 }
 
-const Kernels kTable = {"scalar", gemv_f32, gemv_q8, quantize_q8, dequant, fwht, false};
+const Kernels kTable = {"scalar", gemv_f32, gemv_q8, quantize_q8, dequant, fwht, false, 17};
 
 }  // namespace
 

@@ -54,6 +54,13 @@ struct TrellisKernels {
   // every table that has it (nullptr: none, use gemv).
   void (*gemv_q8)(const TrellisLayer&, const int8_t* q, const int32_t* qq, const float* d, const int32_t* bsum,
                   int64_t M, float* y, int64_t ldy, int64_t i0, int64_t i1);
+  // The batch size from which tile decode + fp32 BLAS GEMM beats gemv_q8 (kGemmNever: never), for code 1
+  // and for the two-table codes 2 and 3, measured over a whole model's layers and through the generator's
+  // prefill (docs/benchmarks.md). Codes 2 and 3: never on the AVX-512 table (1.5-2.7x faster from 64 to 512
+  // rows on AMD Zen 4, 1.3-4x on a Sapphire Rapids-class Xeon, "2026-12-06 (fourth session)"), 64 on
+  // AVX-VNNI, 17 on AVX2, whose 256-bit table lookups make the GEMV compute-bound (1.3-1.8x the GEMM's time
+  // from 24 rows on, Zen 3). Code 1: 96 on the AVX-512 table (even at ~64-128 rows on a Xeon), else 17.
+  int64_t gemm_min_rows_code1, gemm_min_rows_two_table;
 };
 
 const TrellisKernels* scalar_trellis();

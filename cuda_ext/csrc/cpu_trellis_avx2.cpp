@@ -14,7 +14,7 @@ namespace cpu {
 namespace {
 namespace t_avx2 {
 #include "cpu_trellis_simd.inc"
-const TrellisKernels kTable = {"avx2", gemv, decode, gemv_q8};
+const TrellisKernels kTable = {"avx2", gemv, decode, gemv_q8, 17, 17};
 }  // namespace t_avx2
 }  // namespace
 const TrellisKernels* avx2_trellis() { return &t_avx2::kTable; }
@@ -33,7 +33,7 @@ namespace cpu {
 namespace {
 namespace t_avxvnni {
 #include "cpu_trellis_simd.inc"
-const TrellisKernels kTable = {"avxvnni", gemv, decode, gemv_q8};
+const TrellisKernels kTable = {"avxvnni", gemv, decode, gemv_q8, 17, 64};
 }  // namespace t_avxvnni
 }  // namespace
 const TrellisKernels* avxvnni_trellis() { return &t_avxvnni::kTable; }

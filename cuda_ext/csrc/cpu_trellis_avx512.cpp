@@ -329,7 +329,7 @@ void decode(const TrellisLayer& T, int64_t i0, int64_t i1, float* out, int64_t l
   }
 }
 
-const TrellisKernels kTable = {"avx512vnni", gemv, decode, gemv_q8};
+const TrellisKernels kTable = {"avx512vnni", gemv, decode, gemv_q8, 96, kGemmNever};
 }  // namespace
 // Needs AVX512-VBMI (vpmultishiftqb) on top of the avx512vnni table's features; without it the
 // trellis layers of that table use the AVX-VNNI/AVX2 kernels (see trellis_named).

@@ -6,7 +6,6 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
-#include <limits>
 #include <string>
 #include <vector>
 
@@ -121,24 +120,13 @@ class TrellisLinearCPU : public LinearCPU {
   // Whether this table has the int8-activation GEMV for this layer (K a multiple of 32).
   bool has_int8() const { return trellis_kernels_->gemv_q8 != nullptr && K_ % 32 == 0; }
 
-  // Whether the int8 GEMV beats tile decode + fp32 GEMM at every batch size (docs/benchmarks.md): codes 2
-  // and 3 on the AVX-512 table, 1.5-2.7x from 64 to 512 rows on AMD Zen 4 (256-bit AVX-512 datapaths) and
-  // 1.3-4x on a Sapphire Rapids-class Xeon over a whole model ("2026-12-06 (fourth session)"). TrellisLinear
-  // then never switches to the GEMM.
-  bool int8_every_batch() const {
-    return is_two_table(code_.code) && std::string(trellis_kernels_->name) == "avx512vnni";
-  }
+  // Whether the int8 GEMV beats tile decode + fp32 GEMM at every batch size on this table for this code
+  // (TrellisKernels): TrellisLinear then never switches to the GEMM.
+  bool int8_every_batch() const { return int8_gemm_min_rows() == kGemmNever; }
 
-  // The batch size from which tile decode + fp32 BLAS GEMM beats the int8 GEMV (INT64_MAX: never), measured
-  // over a whole model's layers and through the generator's prefill (docs/benchmarks.md): codes 2 and 3 never
-  // on the AVX-512 table (int8_every_batch), 64 on AVX-VNNI, 17 on the AVX2 table, whose 256-bit table lookups
-  // make the GEMV compute-bound (1.3-1.8x the GEMM's time from 24 rows on, Zen 3); code 1 96 on the AVX-512
-  // table (even at ~64-128 rows on a Xeon), 17 on the others.
+  // The batch size from which tile decode + fp32 BLAS GEMM beats the int8 GEMV (kGemmNever: never).
   int64_t int8_gemm_min_rows() const {
-    const std::string name = trellis_kernels_->name;
-    if (!is_two_table(code_.code)) return name == "avx512vnni" ? 96 : 17;
-    if (int8_every_batch()) return std::numeric_limits<int64_t>::max();
-    return name == "avx2" ? 17 : 64;
+    return is_two_table(code_.code) ? trellis_kernels_->gemm_min_rows_two_table : trellis_kernels_->gemm_min_rows_code1;
   }
 
   // path: "auto" (below gemm_min_rows rows the GEMV: int8 activations unless exact or unavailable,

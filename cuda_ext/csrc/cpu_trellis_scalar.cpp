@@ -71,7 +71,7 @@ void gemv_q8(const TrellisLayer& T, const int8_t* q8, const int32_t*, const floa
     }
 }
 
-const TrellisKernels kTable = {"scalar", gemv, decode, gemv_q8};
+const TrellisKernels kTable = {"scalar", gemv, decode, gemv_q8, 17, 64};
 
 }  // namespace
 
