@@ -478,11 +478,18 @@ def test_speculative_sampling_is_reproducible_and_well_formed(small):
 # -- asyncio ---------------------------------------------------------------------------------------------------------
 
 
-def test_async_generator_streams_and_cancels(small):
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_async_generator_streams_and_cancels(small, loop_kind):
+    """Under asyncio's loop the courier thread wakes the consumers; under uvloop (what `exl serve` runs on) the
+    generator thread wakes them itself. Either way: plain greedy's tokens, in order, and cancellation."""
+    from exl.generator.async_api import _wakes_without_gil
+
+    run = asyncio.run if loop_kind == "asyncio" else pytest.importorskip("uvloop").run
     gen = Generator(small, PagedCache(small, num_pages=64, page_size=8), None)
     ps = prompts([10, 20, 5], seed=11)
 
     async def main():
+        assert _wakes_without_gil(asyncio.get_running_loop()) == (loop_kind == "uvloop")
         agen = AsyncGenerator(gen)
 
         async def consume(p, n):
@@ -504,7 +511,7 @@ def test_async_generator_streams_and_cancels(small):
         await agen.close()
         return results, reason
 
-    results, reason = asyncio.run(main())
+    results, reason = run(main())
     for (toks, last), p in zip(results, ps):
         assert toks == reference_greedy(small, p, 8)[0] and last.eos_reason == "max_new_tokens"
     assert reason == "cancelled" and gen.cache.pages_in_use == 0
