@@ -147,15 +147,11 @@ class AsyncGenerator:
         signals its lock; asyncio's own loops write to a socket, which releases it)."""
         if not self._pending:
             return
-        courier = []
-        by_loop: dict = {}
-        for aj, item in self._pending:
-            if _wakes_without_gil(aj._loop):
-                by_loop.setdefault(aj._loop, []).append((aj, item))
-            else:
-                courier.append((aj, item))
+        direct, courier = [], []
+        for pair in self._pending:
+            (direct if _wakes_without_gil(pair[0]._loop) else courier).append(pair)
         self._pending = []
-        _wake_all(by_loop)
+        _wake_all(direct)
         if courier:
             self._outbox.put(courier)
 
@@ -195,11 +191,7 @@ class AsyncGenerator:
                     batches.append(self._outbox.get_nowait())
                 except queue.Empty:
                     break
-            by_loop: dict = {}
-            for batch in batches:
-                for aj, item in batch or ():
-                    by_loop.setdefault(aj._loop, []).append((aj, item))
-            _wake_all(by_loop)
+            _wake_all([pair for batch in batches for pair in batch or ()])
             if None in batches:
                 return
 
@@ -237,8 +229,11 @@ def _put_all(items) -> None:
         aj._put(item)
 
 
-def _wake_all(by_loop: dict) -> None:
-    """Each loop runs _put_all on its (job, event) pairs, once."""
+def _wake_all(pairs) -> None:
+    """Each (job, event) pair's loop runs _put_all on its pairs, in order; one wake-up per loop."""
+    by_loop: dict = {}
+    for aj, item in pairs:
+        by_loop.setdefault(aj._loop, []).append((aj, item))
     for loop, items in by_loop.items():
         try:
             loop.call_soon_threadsafe(_put_all, items)
