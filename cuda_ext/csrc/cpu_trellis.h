@@ -63,6 +63,16 @@ struct TrellisKernels {
   int64_t gemm_min_rows_code1, gemm_min_rows_two_table;
 };
 
+// AMX (AMX-TILE + AMX-INT8, granted by the kernel: Linux >= 5.16's arch_prctl(ARCH_REQ_XCOMP_PERM)): the
+// AVX-512 table's int8 GEMV of the two-table codes runs its dot products as tile multiplies from
+// kAmxMinRows rows on, bit for bit the same results. amx_supported(): this CPU and OS can; amx_enabled():
+// in use (default: supported and EXL_CPU_AMX is not 0); set_amx(on) switches it (on only where supported)
+// and returns whether it is now in use.
+constexpr int64_t kAmxMinRows = 9;
+bool amx_supported();
+bool amx_enabled();
+bool set_amx(bool on);
+
 const TrellisKernels* scalar_trellis();
 const TrellisKernels* avx2_trellis();        // AVX2 + FMA + F16C
 const TrellisKernels* avxvnni_trellis();     // the above + AVX-VNNI (byte sums with vpdpbusd)

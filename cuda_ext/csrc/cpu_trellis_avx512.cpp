@@ -14,6 +14,9 @@
 // no multiply, 64 weights (a quad-column: 16 outputs x 4 inputs) per step, already in vpdpbusd order.
 #include <string.h>
 
+#include <string>
+#include <vector>
+
 #include "cpu_kernels.h"
 #include "cpu_trellis.h"
 
@@ -340,10 +343,52 @@ const TrellisKernels* avx512vnni_trellis() {
 }  // namespace cpu
 }  // namespace exl
 #pragma GCC pop_options
+
+#include <cpuid.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+
+namespace exl {
+namespace cpu {
+namespace {
+bool detect_amx() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool tile = d & (1u << 24), int8 = d & (1u << 25);
+  if (!tile || !int8 || !avx512vnni_trellis()) return false;
+  // The tile registers' state must be requested from the kernel (Linux 5.16+), once per process.
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
+}
+std::atomic<bool>& amx_switch() {
+  static std::atomic<bool> on{[] {
+    const char* env = getenv("EXL_CPU_AMX");
+    return amx_supported() && !(env && std::string(env) == "0");
+  }()};
+  return on;
+}
+}  // namespace
+bool amx_supported() {
+  static const bool ok = detect_amx();
+  return ok;
+}
+bool amx_enabled() { return amx_switch().load(std::memory_order_relaxed); }
+bool set_amx(bool on) {
+  amx_switch().store(on && amx_supported());
+  return amx_enabled();
+}
+}  // namespace cpu
+}  // namespace exl
 #else
 namespace exl {
 namespace cpu {
 const TrellisKernels* avx512vnni_trellis() { return nullptr; }
+bool amx_supported() { return false; }
+bool amx_enabled() { return false; }
+bool set_amx(bool) { return false; }
 }  // namespace cpu
 }  // namespace exl
 #endif

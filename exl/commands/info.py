@@ -94,6 +94,8 @@ def _cpu_isa(ext) -> dict:
         layer.kernel()
         rows = layer.gemm_min_rows
         out["trellis_gemm_min_rows"] = None if rows == GEMM_NEVER else rows  # None: the int8 GEMV at every size
+    if hasattr(ext, "amx_supported"):
+        out["amx"] = {"supported": bool(ext.amx_supported()), "enabled": bool(ext.amx_enabled())}
     return out
 
 
@@ -145,6 +147,11 @@ def run(args) -> int:
                 print("  trellis codes 2 and 3, batches (prefill): " + (
                     "int8 GEMV at every size (the AVX-512 trellis table)" if rows is None
                     else f"tile decode + fp32 GEMM from {rows} rows, int8 GEMV below"))
+            if "amx" in e:
+                amx = e["amx"]
+                print("  AMX int8 tiles: " + ("in use (trellis codes 2 and 3, 9 or more rows)" if amx["enabled"]
+                                              else "available, off (EXL_CPU_AMX=0)" if amx["supported"]
+                                              else "not on this CPU or OS"))
         if e.get("error"):
             print("  " + e["error"].replace("\n", "\n  "))
     if not info["gpus"]:
