@@ -564,7 +564,66 @@ void gemv_q8(const Layer& L, const ActQ8& a, float* y, int64_t ldy, int64_t n0, 
   }
 }
 
-const Kernels kTable = {"avx512vnni", v256::gemv_f32, gemv_q8, v256::quantize_q8, v256::dequant, v256::fwht, false, kGemmNever};
+// Fast Walsh-Hadamard transform of blocks of 16 to 128 values held in registers (one load and one store per
+// value; the AVX2 version passes over memory once per stage h >= 8): stages h = 1, 2, 4, 8 inside a vector,
+// h >= 16 across vectors. Every butterfly is (a + c, a - c) in the AVX2 version's order of stages, and the
+// norm and the sign flips are the same exact steps, so the results are bit for bit those of v256::fwht.
+EXL_INLINE __m512 fwht16(__m512 v) {
+  __m512 t = _mm512_permute_ps(v, 0xb1);  // h = 1
+  v = _mm512_mask_blend_ps(0xaaaa, _mm512_add_ps(v, t), _mm512_sub_ps(t, v));
+  t = _mm512_permute_ps(v, 0x4e);  // h = 2
+  v = _mm512_mask_blend_ps(0xcccc, _mm512_add_ps(v, t), _mm512_sub_ps(t, v));
+  t = _mm512_shuffle_f32x4(v, v, 0xb1);  // h = 4: 128-bit lanes (1, 0, 3, 2)
+  v = _mm512_mask_blend_ps(0xf0f0, _mm512_add_ps(v, t), _mm512_sub_ps(t, v));
+  t = _mm512_shuffle_f32x4(v, v, 0x4e);  // h = 8: 128-bit lanes (2, 3, 0, 1)
+  return _mm512_mask_blend_ps(0xff00, _mm512_add_ps(v, t), _mm512_sub_ps(t, v));
+}
+
+EXL_INLINE __m512 flip16(__m512 v, const uint8_t* signs, int64_t i) {  // i: a multiple of 16
+  uint16_t bits;
+  memcpy(&bits, signs + (i >> 3), 2);
+  return _mm512_mask_xor_ps(v, __mmask16(bits), v, _mm512_set1_ps(-0.0f));
+}
+
+template <int NV>
+void fwht_rows(float* x, int64_t rows, int64_t n, int64_t ld, const uint8_t* signs, bool signs_first) {
+  const __m512 norm = _mm512_set1_ps(1.0f / sqrtf(float(16 * NV)));
+  for (int64_t r = 0; r < rows; ++r) {
+    float* v = x + r * ld;
+    for (int64_t b0 = 0; b0 < n; b0 += 16 * NV) {
+      __m512 z[NV];
+      for (int k = 0; k < NV; ++k) {
+        z[k] = _mm512_loadu_ps(v + b0 + 16 * k);
+        if (signs && signs_first) z[k] = flip16(z[k], signs, b0 + 16 * k);
+        z[k] = fwht16(z[k]);
+      }
+      for (int h = 1; h < NV; h *= 2)
+        for (int i = 0; i < NV; i += 2 * h)
+          for (int j = i; j < i + h; ++j) {
+            const __m512 a = z[j], c = z[j + h];
+            z[j] = _mm512_add_ps(a, c);
+            z[j + h] = _mm512_sub_ps(a, c);
+          }
+      for (int k = 0; k < NV; ++k) {
+        __m512 o = _mm512_mul_ps(z[k], norm);
+        if (signs && !signs_first) o = flip16(o, signs, b0 + 16 * k);
+        _mm512_storeu_ps(v + b0 + 16 * k, o);
+      }
+    }
+  }
+}
+
+void fwht(float* x, int64_t rows, int64_t n, int64_t ld, int64_t block, const uint8_t* signs, bool signs_first) {
+  switch (block) {
+    case 16: return fwht_rows<1>(x, rows, n, ld, signs, signs_first);
+    case 32: return fwht_rows<2>(x, rows, n, ld, signs, signs_first);
+    case 64: return fwht_rows<4>(x, rows, n, ld, signs, signs_first);
+    case 128: return fwht_rows<8>(x, rows, n, ld, signs, signs_first);
+    default: return v256::fwht(x, rows, n, ld, block, signs, signs_first);
+  }
+}
+
+const Kernels kTable = {"avx512vnni", v256::gemv_f32, gemv_q8, v256::quantize_q8, v256::dequant, fwht, false, kGemmNever};
 }  // namespace
 const Kernels* avx512vnni_kernels() { return &kTable; }
 }  // namespace cpu
