@@ -306,19 +306,21 @@ def test_tables_are_required_for_code2_and_refused_for_code1(ext):
         ext.TrellisLinearCPU(t3["trellis"], t3["tscale"], t3["tmeta"], t3["su"], t3["sv"], tcode=t2["tcode"])
 
 
-@pytest.mark.parametrize("code,bits,n,k", [(3, 2, 64, 576), (3, 4, 48, 160), (2, 3, 80, 96), (3, 7, 32, 64)])
-def test_amx_gemv_gives_the_vpdpbusd_kernels_bits(ext, code, bits, n, k):
-    """Where AMX runs, the AVX-512 table's int8 GEMV multiplies groups of 9-16 rows on tiles: bit for bit the
-    results without AMX (and so the scalar table's), at every row count, whole groups of 16 and short tails."""
+@pytest.mark.parametrize("code,bits,n,k,state_bits", [(3, 2, 64, 576, 12), (3, 4, 48, 160, 12), (2, 3, 80, 96, 12),
+                                                      (3, 7, 32, 64, 12), (1, 5, 64, 576, 16), (1, 6, 48, 160, 16),
+                                                      (1, 3, 32, 96, 12), (1, 8, 16, 64, 16)])
+def test_amx_gemv_gives_the_vpdpbusd_kernels_bits(ext, code, bits, n, k, state_bits):
+    """Where AMX runs, the AVX-512 table's int8 GEMV multiplies groups of up to 16 rows on tiles (from 9 rows, code 1
+    from 5): bit for bit the results without AMX (and so the scalar table's), whole groups of 16 and short tails."""
     if not ext.amx_supported():
         pytest.skip("this CPU or OS runs no AMX int8 tile multiplies")
-    t = random_trellis(n, k, bits, 12, seed=60 + bits, bias=False, code=code)
+    t = random_trellis(n, k, bits, state_bits, seed=60 + bits, bias=False, code=code)
     x = torch.randn(41, k, generator=torch.Generator().manual_seed(bits)) * 3
     lin = kernel(ext, t, "avx512vnni")
     was = ext.amx_enabled()
     try:
         assert ext.set_amx(False) is False and not ext.amx_enabled()
-        plain = {rows: lin.forward(x[:rows], "int8", 10**9, False) for rows in (9, 16, 17, 25, 32, 41)}
+        plain = {rows: lin.forward(x[:rows], "int8", 10**9, False) for rows in (4, 5, 8, 9, 16, 17, 21, 25, 32, 41)}
         assert ext.set_amx(True) is True
         for rows, want in plain.items():
             assert torch.equal(lin.forward(x[:rows], "int8", 10**9, False), want), f"{rows} rows"

@@ -64,11 +64,13 @@ struct TrellisKernels {
 };
 
 // AMX (AMX-TILE + AMX-INT8, granted by the kernel: Linux >= 5.16's arch_prctl(ARCH_REQ_XCOMP_PERM)): the
-// AVX-512 table's int8 GEMV of the two-table codes runs its dot products as tile multiplies from
-// kAmxMinRows rows on, bit for bit the same results. amx_supported(): this CPU and OS can; amx_enabled():
-// in use (default: supported and EXL_CPU_AMX is not 0); set_amx(on) switches it (on only where supported)
-// and returns whether it is now in use.
+// AVX-512 table's int8 GEMV runs its dot products as tile multiplies for groups of kAmxMinRows (codes 2, 3)
+// or kAmxMinRowsCode1 (code 1) to 16 rows, bit for bit the same results (from there on it is faster; below,
+// the tile work per block costs more than the vpdpbusd it saves). amx_supported(): this CPU and OS can;
+// amx_enabled(): in use (default: supported and EXL_CPU_AMX is not 0); set_amx(on) switches it (on only where
+// supported) and returns whether it is now in use.
 constexpr int64_t kAmxMinRows = 9;
+constexpr int64_t kAmxMinRowsCode1 = 5;
 bool amx_supported();
 bool amx_enabled();
 bool set_amx(bool on);

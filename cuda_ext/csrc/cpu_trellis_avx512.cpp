@@ -289,9 +289,126 @@ void gemv_q8_l(const TrellisLayer& T, const int32_t* qq, const float* d, const i
 
 #include "cpu_trellis_two_table.inc"
 
+// Code 1 on AMX tiles (groups of kAmxMinRows to 16 rows, when amx_enabled()): column c's x = A s + B (16
+// outputs x 4 bytes, as decoded) is one row of an AMX "B" tile whose K groups are input channels, and the
+// activations repeated 4x (qq) are the "A" tile, so one tdpbsud per 16 columns gives the vpdpbusd kernel's
+// exact block sums (byte sums times activations); the fp32 steps after it are that kernel's. Weights are
+// decoded kAhead - 1 blocks ahead and sums read kLag blocks later (see the two-table AMX kernel).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx512vbmi,avx2,fma,f16c,amx-tile,amx-int8")
+
+// Even blocks' sums in tile 0, odd blocks' in tile 1 (M x 16 int32); activations of a block's two halves in
+// tiles 2, 3 (M x 64 bytes); its two 16-column weight tiles in 4, 5 (16 x 64 bytes).
+EXL_TINLINE void amx_configure_code1(int64_t M) {
+  two_table::AmxConfig c;
+  memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t : {0, 1, 2, 3}) c.rows[t] = uint8_t(M), c.colsb[t] = 64;
+  for (int t : {4, 5}) c.rows[t] = 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+#define EXL_AMX1_BLOCK(CT, a, lda, w, out) \
+  do {                                     \
+    _tile_loadd(2, a, lda);                \
+    _tile_loadd(3, (a) + 64, lda);         \
+    _tile_loadd(4, w, 64);                 \
+    _tile_loadd(5, (w) + 1024, 64);        \
+    _tile_zero(CT);                        \
+    _tile_dpbsud(CT, 2, 4);                \
+    _tile_dpbsud(CT, 3, 5);                \
+    _tile_stored(CT, out, 64);             \
+  } while (0)
+
+// Tile row i for M (<= 16) rows; qb: qq as bytes (row stride 4K); cb: 510 * bsum.
+template <int KB, bool FULL>
+void tile_row_amx1(const TrellisLayer& T, const int8_t* qb, const float* d, const int32_t* cb, int64_t M, float* y,
+                   int64_t ldy, int64_t i, int64_t i_end) {
+  constexpr int tw = 8 * KB, nr = Plan<KB>::kRegs, kAhead = 3, kLag = 2;
+  const int64_t kt = T.K / kTile, nb = T.K / 32;
+  const Consts k(T.code);
+  alignas(64) uint8_t wb[kAhead][2 * kTile][64];  // a ring: block b's 32 columns at b % kAhead
+  alignas(64) int32_t sums[kLag + 1][16][16];
+  __m512 acc[16];
+  for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
+  const uint32_t* w = T.words + i * kt * tw;
+  const uint32_t* pf = prefetch_base(T, i, 1, i_end, kt * tw);
+  auto decode_block = [&](int64_t b) {
+    for (int h = 0; h < 2; ++h) {
+      const int64_t j = 2 * b + h;
+      __m512i z[nr];
+      prefetch_tile<KB>(pf + j * tw);
+      load_tile<KB>(w + j * tw, z);
+#pragma GCC unroll 16
+      for (int c = 0; c < kTile; ++c)
+        _mm512_store_si512(wb[b % kAhead][kTile * h + c],
+                           _mm512_add_epi32(_mm512_mullo_epi32(states<KB, FULL>(z, c, k), k.mul), k.add));
+    }
+  };
+  auto finish = [&](int64_t b) {
+#pragma GCC unroll 16
+    for (int m = 0; m < 16; ++m)
+      if (m < M) {
+        const __m512i exact =
+            _mm512_sub_epi32(_mm512_load_si512(sums[b % (kLag + 1)][m]), _mm512_set1_epi32(cb[m * nb + b]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(d[m * nb + b]), acc[m]);
+      }
+  };
+  for (int64_t b = 0; b < kAhead - 1 && b < nb; ++b) decode_block(b);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* a = qb + b * 128;
+    const uint8_t* wt = wb[b % kAhead][0];
+    if (b & 1) EXL_AMX1_BLOCK(1, a, 4 * T.K, wt, sums[b % (kLag + 1)]);
+    else EXL_AMX1_BLOCK(0, a, 4 * T.K, wt, sums[b % (kLag + 1)]);
+    if (b + kAhead - 1 < nb) decode_block(b + kAhead - 1);
+    if (b >= kLag) finish(b - kLag);
+  }
+  for (int64_t b = nb > kLag ? nb - kLag : 0; b < nb; ++b) finish(b);
+  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(T.tscale + i * kTile)));
+  for (int m = 0; m < 16; ++m)
+    if (m < M) _mm512_storeu_ps(y + m * ldy + i * kTile, _mm512_mul_ps(acc[m], s));
+}
+#undef EXL_AMX1_BLOCK
+
+template <int KB>
+void gemv_q8_amx1(const TrellisLayer& T, const int32_t* qq, const float* d, const int32_t* bsum, int64_t M, float* y,
+                  int64_t ldy, int64_t i0, int64_t i1) {
+  const int64_t nb = T.K / 32;
+  thread_local std::vector<int32_t> cb;
+  if (cb.size() < size_t(16 * nb)) cb.resize(16 * nb);
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int64_t mr = M - m0 < 16 ? M - m0 : 16;
+    if (mr < kAmxMinRowsCode1) {  // a short last group: the vpdpbusd kernel (the same bits)
+      gemv_q8_l<KB>(T, qq + m0 * T.K, d + m0 * nb, bsum + m0 * nb, mr, y + m0 * ldy, ldy, i0, i1);
+      break;
+    }
+    for (int64_t e = 0; e < mr * nb; ++e) cb[e] = kTrellisCentre * bsum[m0 * nb + e];
+    amx_configure_code1(mr);
+    const int8_t* qb = reinterpret_cast<const int8_t*>(qq + m0 * T.K);
+    for (int64_t i = i0; i < i1; ++i) {
+      if (T.code.state_bits == 16) tile_row_amx1<KB, true>(T, qb, d + m0 * nb, cb.data(), mr, y + m0 * ldy, ldy, i, i1);
+      else tile_row_amx1<KB, false>(T, qb, d + m0 * nb, cb.data(), mr, y + m0 * ldy, ldy, i, i1);
+    }
+    _tile_release();
+  }
+}
+#pragma GCC pop_options
+
 void gemv_q8(const TrellisLayer& T, const int8_t* q8, const int32_t* qq, const float* d, const int32_t* bsum, int64_t M,
              float* y, int64_t ldy, int64_t i0, int64_t i1) {
   if (is_two_table(T.code.code)) return two_table::gemv_q8(T, q8, d, bsum, M, y, ldy, i0, i1);
+  if (M >= kAmxMinRowsCode1 && amx_enabled()) {
+    switch (T.code.bits) {
+      case 1: return gemv_q8_amx1<1>(T, qq, d, bsum, M, y, ldy, i0, i1);
+      case 2: return gemv_q8_amx1<2>(T, qq, d, bsum, M, y, ldy, i0, i1);
+      case 3: return gemv_q8_amx1<3>(T, qq, d, bsum, M, y, ldy, i0, i1);
+      case 4: return gemv_q8_amx1<4>(T, qq, d, bsum, M, y, ldy, i0, i1);
+      case 5: return gemv_q8_amx1<5>(T, qq, d, bsum, M, y, ldy, i0, i1);
+      case 6: return gemv_q8_amx1<6>(T, qq, d, bsum, M, y, ldy, i0, i1);
+      case 7: return gemv_q8_amx1<7>(T, qq, d, bsum, M, y, ldy, i0, i1);
+      default: return gemv_q8_amx1<8>(T, qq, d, bsum, M, y, ldy, i0, i1);
+    }
+  }
   switch (T.code.bits) {
     case 1: return gemv_q8_l<1>(T, qq, d, bsum, M, y, ldy, i0, i1);
     case 2: return gemv_q8_l<2>(T, qq, d, bsum, M, y, ldy, i0, i1);

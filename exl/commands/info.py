@@ -149,7 +149,7 @@ def run(args) -> int:
                     else f"tile decode + fp32 GEMM from {rows} rows, int8 GEMV below"))
             if "amx" in e:
                 amx = e["amx"]
-                print("  AMX int8 tiles: " + ("in use (trellis codes 2 and 3, 9 or more rows)" if amx["enabled"]
+                print("  AMX int8 tiles: " + ("in use (trellis int8 GEMV from 9 rows, code 1 from 5)" if amx["enabled"]
                                               else "available, off (EXL_CPU_AMX=0)" if amx["supported"]
                                               else "not on this CPU or OS"))
         if e.get("error"):
