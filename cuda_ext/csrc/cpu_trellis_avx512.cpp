@@ -394,30 +394,26 @@ void gemv_q8_amx1(const TrellisLayer& T, const int32_t* qq, const float* d, cons
 }
 #pragma GCC pop_options
 
+// Code 1 at K_b bits: groups of kAmxMinRowsCode1 rows or more on AMX tiles where in use, else vpdpbusd.
+template <int KB>
+void gemv_q8_code1(const TrellisLayer& T, const int32_t* qq, const float* d, const int32_t* bsum, int64_t M, float* y,
+                   int64_t ldy, int64_t i0, int64_t i1) {
+  if (M >= kAmxMinRowsCode1 && amx_enabled()) return gemv_q8_amx1<KB>(T, qq, d, bsum, M, y, ldy, i0, i1);
+  gemv_q8_l<KB>(T, qq, d, bsum, M, y, ldy, i0, i1);
+}
+
 void gemv_q8(const TrellisLayer& T, const int8_t* q8, const int32_t* qq, const float* d, const int32_t* bsum, int64_t M,
              float* y, int64_t ldy, int64_t i0, int64_t i1) {
   if (is_two_table(T.code.code)) return two_table::gemv_q8(T, q8, d, bsum, M, y, ldy, i0, i1);
-  if (M >= kAmxMinRowsCode1 && amx_enabled()) {
-    switch (T.code.bits) {
-      case 1: return gemv_q8_amx1<1>(T, qq, d, bsum, M, y, ldy, i0, i1);
-      case 2: return gemv_q8_amx1<2>(T, qq, d, bsum, M, y, ldy, i0, i1);
-      case 3: return gemv_q8_amx1<3>(T, qq, d, bsum, M, y, ldy, i0, i1);
-      case 4: return gemv_q8_amx1<4>(T, qq, d, bsum, M, y, ldy, i0, i1);
-      case 5: return gemv_q8_amx1<5>(T, qq, d, bsum, M, y, ldy, i0, i1);
-      case 6: return gemv_q8_amx1<6>(T, qq, d, bsum, M, y, ldy, i0, i1);
-      case 7: return gemv_q8_amx1<7>(T, qq, d, bsum, M, y, ldy, i0, i1);
-      default: return gemv_q8_amx1<8>(T, qq, d, bsum, M, y, ldy, i0, i1);
-    }
-  }
   switch (T.code.bits) {
-    case 1: return gemv_q8_l<1>(T, qq, d, bsum, M, y, ldy, i0, i1);
-    case 2: return gemv_q8_l<2>(T, qq, d, bsum, M, y, ldy, i0, i1);
-    case 3: return gemv_q8_l<3>(T, qq, d, bsum, M, y, ldy, i0, i1);
-    case 4: return gemv_q8_l<4>(T, qq, d, bsum, M, y, ldy, i0, i1);
-    case 5: return gemv_q8_l<5>(T, qq, d, bsum, M, y, ldy, i0, i1);
-    case 6: return gemv_q8_l<6>(T, qq, d, bsum, M, y, ldy, i0, i1);
-    case 7: return gemv_q8_l<7>(T, qq, d, bsum, M, y, ldy, i0, i1);
-    default: return gemv_q8_l<8>(T, qq, d, bsum, M, y, ldy, i0, i1);
+    case 1: return gemv_q8_code1<1>(T, qq, d, bsum, M, y, ldy, i0, i1);
+    case 2: return gemv_q8_code1<2>(T, qq, d, bsum, M, y, ldy, i0, i1);
+    case 3: return gemv_q8_code1<3>(T, qq, d, bsum, M, y, ldy, i0, i1);
+    case 4: return gemv_q8_code1<4>(T, qq, d, bsum, M, y, ldy, i0, i1);
+    case 5: return gemv_q8_code1<5>(T, qq, d, bsum, M, y, ldy, i0, i1);
+    case 6: return gemv_q8_code1<6>(T, qq, d, bsum, M, y, ldy, i0, i1);
+    case 7: return gemv_q8_code1<7>(T, qq, d, bsum, M, y, ldy, i0, i1);
+    default: return gemv_q8_code1<8>(T, qq, d, bsum, M, y, ldy, i0, i1);
   }
 }
 
