@@ -15,7 +15,7 @@ EXL_VARS: dict[str, tuple[str, str]] = {
     "EXL_CPU_ISA": ("best available", "instruction set of the quantized CPU linears and the fused CPU ops: `scalar`, "
                                       "`avx2`, `avxvnni` or `avx512vnni` (one this CPU supports; `exl info` lists them)"),
     "EXL_CPU_AMX": ("`1` where supported", "`0`: the AVX-512 trellis int8 GEMV never uses AMX tile multiplies "
-                                           "(with them, batches of 5-9 rows and more run faster; the results are the same bits)"),
+                                           "(with them, batches of 9 or more rows, code 1 from 5, run faster; the results are the same bits)"),
     "EXL_CPU_EXACT": ("`0`", "`1`: quantized CPU linears multiply small batches in exact fp32 instead of with "
                              "int8-quantized activations"),
     "EXL_THREADS": ("unset", "CPU threads: `N` fixes the count, `all` uses every usable core; unset, a model load leaves "

@@ -353,7 +353,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_partition", &exl::cpu::parallel_partition, py::arg("begin"), py::arg("end"), py::arg("grain"),
         py::arg("team") = true, py::arg("throw_at") = -1, "Chunks a run_team team or at::parallel_for runs (tests)");
   m.def("amx_supported", &exl::cpu::amx_supported, "Whether this CPU and OS run AMX int8 tile multiplies");
-  m.def("amx_enabled", &exl::cpu::amx_enabled, "Whether the trellis int8 GEMV uses AMX (from 4 rows on)");
+  m.def("amx_enabled", &exl::cpu::amx_enabled, "Whether the trellis int8 GEMV uses AMX tiles (from amx_min_rows rows on)");
+  m.attr("amx_min_rows") = py::int_(exl::cpu::kAmxMinRows);            // codes 2 and 3
+  m.attr("amx_min_rows_code1") = py::int_(exl::cpu::kAmxMinRowsCode1);
   m.def("set_amx", &exl::cpu::set_amx, py::arg("on"), "Use AMX where supported (True) or not; returns whether in use");
   m.def("team_regions", &exl::cpu::team_regions, "Parallel regions served by run_team teams (cpu_pool.h)");
   m.def("release_idle_threads", &exl::cpu::release_idle_threads,

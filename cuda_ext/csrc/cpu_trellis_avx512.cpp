@@ -345,15 +345,7 @@ void tile_row_amx1(const TrellisLayer& T, const int8_t* qb, const float* d, cons
                            _mm512_add_epi32(_mm512_mullo_epi32(states<KB, FULL>(z, c, k), k.mul), k.add));
     }
   };
-  auto finish = [&](int64_t b) {
-#pragma GCC unroll 16
-    for (int m = 0; m < 16; ++m)
-      if (m < M) {
-        const __m512i exact =
-            _mm512_sub_epi32(_mm512_load_si512(sums[b % (kLag + 1)][m]), _mm512_set1_epi32(cb[m * nb + b]));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(d[m * nb + b]), acc[m]);
-      }
-  };
+  auto finish = [&](int64_t b) { two_table::amx_accumulate(acc, sums[b % (kLag + 1)], cb, d, M, nb, b); };
   for (int64_t b = 0; b < kAhead - 1 && b < nb; ++b) decode_block(b);
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* a = qb + b * 128;
@@ -364,9 +356,7 @@ void tile_row_amx1(const TrellisLayer& T, const int8_t* qb, const float* d, cons
     if (b >= kLag) finish(b - kLag);
   }
   for (int64_t b = nb > kLag ? nb - kLag : 0; b < nb; ++b) finish(b);
-  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(T.tscale + i * kTile)));
-  for (int m = 0; m < 16; ++m)
-    if (m < M) _mm512_storeu_ps(y + m * ldy + i * kTile, _mm512_mul_ps(acc[m], s));
+  two_table::amx_store(T, acc, M, y, ldy, i);
 }
 #undef EXL_AMX1_BLOCK
 

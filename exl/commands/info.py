@@ -95,7 +95,8 @@ def _cpu_isa(ext) -> dict:
         rows = layer.gemm_min_rows
         out["trellis_gemm_min_rows"] = None if rows == GEMM_NEVER else rows  # None: the int8 GEMV at every size
     if hasattr(ext, "amx_supported"):
-        out["amx"] = {"supported": bool(ext.amx_supported()), "enabled": bool(ext.amx_enabled())}
+        out["amx"] = {"supported": bool(ext.amx_supported()), "enabled": bool(ext.amx_enabled()),
+                      "min_rows": int(ext.amx_min_rows), "min_rows_code1": int(ext.amx_min_rows_code1)}
     return out
 
 
@@ -149,7 +150,8 @@ def run(args) -> int:
                     else f"tile decode + fp32 GEMM from {rows} rows, int8 GEMV below"))
             if "amx" in e:
                 amx = e["amx"]
-                print("  AMX int8 tiles: " + ("in use (trellis int8 GEMV from 9 rows, code 1 from 5)" if amx["enabled"]
+                print("  AMX int8 tiles: " + (f"in use (trellis int8 GEMV from {amx['min_rows']} rows, code 1 from "
+                                              f"{amx['min_rows_code1']})" if amx["enabled"]
                                               else "available, off (EXL_CPU_AMX=0)" if amx["supported"]
                                               else "not on this CPU or OS"))
         if e.get("error"):
