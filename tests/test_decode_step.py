@@ -148,6 +148,37 @@ def test_attention_rows_are_bit_identical_across_layouts_and_row_counts(ext, mon
         assert torch.equal(torch.cat([cont, *rest], 1)[0], results[0]), isa
 
 
+@pytest.mark.parametrize("d,hq,hk,window,softcap", [(64, 9, 3, 0, 0.0), (128, 4, 2, 6, 0.0), (40, 6, 2, 0, 30.0),
+                                                    (24, 8, 2, 0, 0.0)])
+def test_float16_store_gives_the_bits_of_its_values_in_float32(ext, monkeypatch, d, hq, hk, window, softcap):
+    """A float16 cache store: attention converts its keys and values exactly, so on every ISA table it gives the
+    bits a float32 store holding the same (fp16-rounded) values gives, prompt rows and decode steps alike; the step
+    op stores the new key and value rounded to nearest, as Tensor.half() does."""
+    ps, n_pages, length, scale = 4, 16, 23, d**-0.5
+    table = torch.cat([torch.randperm(n_pages, generator=g(1))[:7], torch.zeros(1, dtype=torch.long)])[None]
+    ks16 = torch.randn(hk, n_pages * ps, d, generator=g(2)).half()
+    vs16 = torch.randn(hk, n_pages * ps, d, generator=g(3)).half()
+    q = torch.randn(length, hq, d, generator=g(4)) * 2
+    k, v = torch.randn(1, hk, d, generator=g(5)) * 3, torch.randn(1, hk, d, generator=g(6))
+    seqs, pos = torch.zeros(length, dtype=torch.long), torch.arange(length)
+    slot = int(table[0, length // ps]) * ps + length % ps  # where the step's new token goes
+    for isa in ext.isa_names():
+        monkeypatch.setenv("EXL_CPU_ISA", isa)
+        got = ext.paged_attention(q, ks16, vs16, table, seqs, pos, ps, scale, window, softcap)
+        want = ext.paged_attention(q, ks16.float(), vs16.float(), table, seqs, pos, ps, scale, window, softcap)
+        assert torch.equal(got, want), isa
+        a16, b16, a32, b32 = ks16.clone(), vs16.clone(), ks16.float(), vs16.float()
+        got = ext.paged_step_attention(q[:1], k, v, a16, b16, table, torch.tensor([length + 1]), ps, scale, window,
+                                       softcap)
+        want = ext.paged_step_attention(q[:1], k.half().float(), v.half().float(), a32, b32, table,
+                                        torch.tensor([length + 1]), ps, scale, window, softcap)
+        assert torch.equal(got, want), isa
+        assert torch.equal(a16[:, slot], k[0].half()) and torch.equal(b16[:, slot], v[0].half()), isa
+        assert torch.equal(a16.float(), a32) and torch.equal(b16.float(), b32), isa
+    with pytest.raises(RuntimeError, match="both float32 or both float16"):
+        ext.paged_attention(q, ks16, vs16.float(), table, seqs, pos, ps, scale, window, softcap)
+
+
 def test_paged_attention_rejects_bad_rows(ext):
     ks, q = torch.zeros(2, 16, 8), torch.zeros(2, 2, 8)
     pages = torch.tensor([[0, 1]])

@@ -508,7 +508,7 @@ class PagedContext(AttentionContext):
         return _to_device(pages * ps + self._pos % ps, self.cache.device)
 
     def decode_batch(self):
-        """One new token of every sequence over a float32 store: the one-call decode step's paged view
+        """One new token of every sequence over a float32 or float16 store: the one-call decode step's paged view
         (AttentionContext.decode_batch)."""
         if "_decode_batch" not in self.__dict__:
             self._decode_batch = self._make_decode_batch()
@@ -516,8 +516,7 @@ class PagedContext(AttentionContext):
 
     def _make_decode_batch(self):
         c = self.cache
-        if type(c.k) is not FloatStore or type(c.v) is not FloatStore or c.k.data.dtype is not torch.float32 \
-                or c.v.data.dtype is not torch.float32 or c.device.type != "cpu":
+        if not _cpu_float_stores(c):
             return None
         if any(n != 1 for n in self.counts):
             return None
@@ -569,11 +568,9 @@ class PagedContext(AttentionContext):
         return _to_device(pages, self.cache.device), _to_device(seqs, self.cache.device), self.positions[0]
 
     def _in_place(self, q) -> bool:
-        """Every row attends in one C++ call, reading a float32 store where it lies (cpu_fused.cpp's
+        """Every row attends in one C++ call, reading a float32 or float16 store where it lies (cpu_fused.cpp's
         paged_attention: the decode step's kernel and summation order for prompt chunks and drafts too)."""
-        c = self.cache
-        return fused.ops(q) is not None and c.device.type == "cpu" and type(c.k) is FloatStore \
-            and type(c.v) is FloatStore and c.k.data.dtype is torch.float32 and c.v.data.dtype is torch.float32
+        return fused.ops(q) is not None and _cpu_float_stores(self.cache)
 
     def _cuda_in_place(self, q) -> bool:
         """Decode steps and drafts on a GPU attend in one launch over a float16/float32 store where it lies
@@ -623,6 +620,12 @@ class PagedContext(AttentionContext):
         if c.v.rotated:
             out = out @ c.rotation_c.T
         return out
+
+
+def _cpu_float_stores(c) -> bool:
+    """Keys and values in float32 or float16 slots on the CPU (both alike): what the C++ paged attention reads."""
+    return c.device.type == "cpu" and type(c.k) is FloatStore and type(c.v) is FloatStore \
+        and c.k.data.dtype in (torch.float32, torch.float16) and c.k.data.dtype is c.v.data.dtype
 
 
 class _Batched:
