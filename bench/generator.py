@@ -31,7 +31,7 @@ from exl.threads import fix_threads
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import exl  # noqa: E402
-from exl.cache.paged import PagedCache, PagedContext  # noqa: E402
+from exl.cache.paged import PagedCache, PagedContext, cache_bits  # noqa: E402
 from exl.generator import Generator, Job, SamplerSettings  # noqa: E402
 from exl.tokenizer import Tokenizer  # noqa: E402
 
@@ -167,7 +167,9 @@ def main(argv=None) -> dict:
     res: dict = {"model": str(args.model), "threads": torch.get_num_threads(), "page_size": args.page_size}
 
     def new_gen(**kw):
-        cache = PagedCache(model, max_tokens=kw.pop("max_tokens", 16384), page_size=args.page_size)
+        k_bits, v_bits = cache_bits("auto", model.device)  # the cache the doors make (exl serve, exl.simple)
+        cache = PagedCache(model, max_tokens=kw.pop("max_tokens", 16384), page_size=args.page_size, k_bits=k_bits,
+                           v_bits=v_bits)
         return Generator(model, cache, tok, **kw)
 
     # -- batching ------------------------------------------------------------------------------------------------

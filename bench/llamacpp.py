@@ -47,12 +47,13 @@ def load(path: str | Path, threads: int = 2, n_ctx: int = 1024, n_batch: int = 5
                      n_batch=n_batch, n_ubatch=n_batch, logits_all=logits_all, verbose=False)
 
 
-def bench(llm, pp: int = 512, tg: int = 128, reps: int = 3, vocab: int = 49152) -> dict:
-    """pp/tg tokens/s, same definitions as exl.benchmark (one warm-up, then `reps` timed runs)."""
+def bench(llm, pp: int = 512, tg: int = 128, reps: int = 3, vocab: int = 49152, depth: int = 0) -> dict:
+    """pp/tg tokens/s, same definitions as exl.benchmark (one warm-up, then `reps` timed runs); depth > 0: the decode
+    test runs after an untimed `depth`-token prompt ('tg128@d1024', as llama-bench -d)."""
     import random
 
     rng = random.Random(0)
-    tokens = [rng.randrange(100, vocab) for _ in range(max(pp, tg))]
+    tokens = [rng.randrange(100, vocab) for _ in range(max(pp, tg + depth))]
 
     def prompt():
         llm.reset()
@@ -64,13 +65,15 @@ def bench(llm, pp: int = 512, tg: int = 128, reps: int = 3, vocab: int = 49152) 
     def generation():
         llm.reset()
         llm._ctx.memory_clear(True) if hasattr(llm._ctx, "memory_clear") else None
+        if depth:
+            llm.eval(tokens[:depth])
         t = time.perf_counter()
-        for tok in tokens[:tg]:
+        for tok in tokens[depth : depth + tg]:
             llm.eval([tok])
         return tg / (time.perf_counter() - t)
 
     out = {}
-    for name, fn, n in ((f"pp{pp}", prompt, pp), (f"tg{tg}", generation, tg)):
+    for name, fn, n in ((f"pp{pp}", prompt, pp), (f"tg{tg}@d{depth}" if depth else f"tg{tg}", generation, tg)):
         if n <= 0:
             continue
         fn()

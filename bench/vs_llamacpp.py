@@ -4,6 +4,7 @@
     python bench/vs_llamacpp.py --exl DIR --gguf FILE # measure a given pair
     python bench/vs_llamacpp.py --codes scalar        # the pair with exl's scalar codes only
     python bench/vs_llamacpp.py --pp 16,32,64,512     # prefill of several prompt lengths (chat turns are short)
+    python bench/vs_llamacpp.py --depth 0,1024        # decode also after a 1,024-token prompt (llama-bench -d)
 
 The standard pair (issue 4): the function-preserving rotated copy of SmolLM2-135M-Instruct,
 converted by exl at 4.0 bpw (`convert.py`'s default `--codes auto`: the optimizer picks scalar or trellis codes per
@@ -71,6 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--codes", choices=CODES, default="auto",
                     help="exl codes for the standard pair (convert.py --codes)")
     ap.add_argument("--pp", default="512", help="prompt lengths to time, comma-separated (default 512)")
+    ap.add_argument("--depth", default="0", help="decode (tg128) after prompts of these lengths, comma-separated "
+                    "(0: a 1-token prompt; 'tg128@d1024' as llama-bench -d)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-r", "--repetitions", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -83,26 +86,36 @@ def main(argv=None) -> int:
         ap.error(f"--pp takes prompt lengths separated by commas, e.g. 16,32,512; got {args.pp!r}")
     if not pps or min(pps) < 1 or max(pps) > 2048:
         ap.error(f"--pp lengths must lie in 1..2048 (the benchmark's cache and llama.cpp's context); got {args.pp!r}")
+    try:
+        depths = sorted({int(v) for v in args.depth.split(",")})
+    except ValueError:
+        ap.error(f"--depth takes prompt lengths separated by commas, e.g. 0,1024; got {args.depth!r}")
+    if not depths or min(depths) < 0 or max(depths) > 8192:
+        ap.error(f"--depth lengths must lie in 0..8192; got {args.depth!r}")
     exl_dir, gguf = (Path(args.exl), Path(args.gguf)) if args.exl else prepare(args.bits, codes=args.codes)
 
     fix_threads(args.threads)
     os.environ["EXL_THREADS"] = str(args.threads)  # asked for: no automatic choice at load
     model = exl.load_model(exl_dir, progress=False)
-    ours = benchmark.run(model, pps[-1], 128, args.repetitions)
+    ours = benchmark.run(model, pps[-1], 128, args.repetitions, depth=depths[0])
     for pp in pps[:-1]:
         ours.update(benchmark.run(model, pp, 0, args.repetitions))
+    for depth in depths[1:]:
+        ours.update(benchmark.run(model, 0, 128, args.repetitions, depth=depth))
     del model
-    llm = llamacpp.load(gguf, threads=args.threads, n_ctx=max(2048, pps[-1] + 128))
-    theirs = llamacpp.bench(llm, pps[-1], 128, args.repetitions)
+    llm = llamacpp.load(gguf, threads=args.threads, n_ctx=max(2048, pps[-1] + 128, depths[-1] + 128))
+    theirs = llamacpp.bench(llm, pps[-1], 128, args.repetitions, depth=depths[0])
     for pp in pps[:-1]:
         theirs.update(llamacpp.bench(llm, pp, 0, args.repetitions))
+    for depth in depths[1:]:
+        theirs.update(llamacpp.bench(llm, 0, 128, args.repetitions, depth=depth))
     del llm
 
     print(f"\n{args.threads} threads, {args.repetitions} timed runs each (mean ± std)\n")
     print("| test | exl tok/s | llama.cpp tok/s | exl / llama.cpp |")
     print("|---|---|---|---|")
     ratios = {}
-    for test in [f"pp{pp}" for pp in pps] + ["tg128"]:
+    for test in [f"pp{pp}" for pp in pps] + [f"tg128@d{d}" if d else "tg128" for d in depths]:
         ratios[test] = ours[test] / theirs[test]
         print(f"| {test} | {ours[test]:.1f} ± {ours[test + '_std']:.1f} | {theirs[test]:.1f} ± "
               f"{theirs[test + '_std']:.1f} | {ratios[test]:.2f}x |")

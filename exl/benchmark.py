@@ -5,6 +5,7 @@ Both tests run jobs on the dynamic Generator over a PagedCache, the same path as
 (exl.simple, `exl generate`/`chat`, `exl serve`):
 pp N: the prefill of one job with an N-token prompt (random tokens, nothing cached): N / its time to first token.
 tg N: the decode rate of one job, greedy, from a 1-token prompt: N decode steps / their time (sampling included).
+tg N @ dD (depth D, as llama-bench's -d): the same after a D-token prompt, so every step attends over D+ positions.
 Each test runs once as warm-up, then `reps` times; results are mean ± std over the timed runs.
 """
 
@@ -43,17 +44,17 @@ def time_prompt(gen, n: int, seed: int = 0) -> float:
     return n / ev.time_to_first_token
 
 
-def time_generation(gen, n: int, seed: int = 0) -> float:
-    """Decode tokens/s of one job over n decode steps."""
-    ev = _run(gen, _tokens(gen.model, 1, seed), n + 1)  # the first token comes from the prefill
+def time_generation(gen, n: int, seed: int = 0, depth: int = 0) -> float:
+    """Decode tokens/s of one job over n decode steps, after a prompt of `depth` tokens (at least 1)."""
+    ev = _run(gen, _tokens(gen.model, max(depth, 1), seed), n + 1)  # the first token comes from the prefill
     return ev.tokens_per_second
 
 
-def make_generator(model, pp: int, tg: int):
-    """One job at a time, a cache for the longer test, prompts in one chunk."""
+def make_generator(model, pp: int, tg: int, depth: int = 0):
+    """One job at a time, a cache for the longer test, prompts in one chunk (up to 2,048 tokens)."""
     from exl.simple import make_generator as make
 
-    return make(model, None, max(pp, tg + 1, 1), max_chunk_size=max(pp, 1))
+    return make(model, None, max(pp, depth + tg + 1, 1), max_chunk_size=min(max(pp, depth, 1), 2048))
 
 
 def model_bits_per_weight(model) -> float:
@@ -67,11 +68,14 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run(model, pp: int = 512, tg: int = 128, reps: int = 3, progress=None) -> dict:
-    """{'pp512': mean tok/s, 'pp512_std', 'tg128', 'tg128_std', 'bpw', 'peak_rss_mib', 'threads'}"""
-    gen = make_generator(model, pp, tg)
+def run(model, pp: int = 512, tg: int = 128, reps: int = 3, progress=None, depth: int = 0) -> dict:
+    """{'pp512': mean tok/s, 'pp512_std', 'tg128', 'tg128_std', 'bpw', 'peak_rss_mib', 'threads'}; with depth > 0
+    the decode test is 'tg128@d1024' (its prompt `depth` tokens long)."""
+    gen = make_generator(model, pp, tg, depth)
     out = {}
-    for name, fn, n in ((f"pp{pp}", time_prompt, pp), (f"tg{tg}", time_generation, tg)):
+    tg_name = f"tg{tg}@d{depth}" if depth > 0 else f"tg{tg}"
+    decode = lambda gen, n, seed: time_generation(gen, n, seed, depth)  # noqa: E731
+    for name, fn, n in ((f"pp{pp}", time_prompt, pp), (tg_name, decode, tg)):
         if n <= 0:
             continue
         fn(gen, n, seed=0)  # warm-up

@@ -23,11 +23,11 @@ def sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sam
 
 def make_generator(model, tokenizer, max_tokens: int, *, cache_mode: str = "auto", max_batch_size: int = 1,
                    **kwargs) -> Generator:
-    """A Generator over a new paged cache of at least `max_tokens` tokens (whole pages). cache_mode: "auto" (the
-    model's dtype, as `exl serve` by default), "fp32", "fp16", "q8", "q6", "q4" or "q8k4v"."""
+    """A Generator over a new paged cache of at least `max_tokens` tokens (whole pages). cache_mode: "auto" (fp16 on
+    the CPU, else the model's dtype; as `exl serve` by default), "fp32", "fp16", "q8", "q6", "q4" or "q8k4v"."""
     from exl.cache.paged import cache_bits
 
-    k_bits, v_bits = cache_bits(cache_mode)
+    k_bits, v_bits = cache_bits(cache_mode, model.device)
     cache = PagedCache(model, max_tokens=max_tokens, page_size=PAGE_SIZE, k_bits=k_bits, v_bits=v_bits)
     kwargs.setdefault("max_chunk_size", CHUNK_SIZE)
     return Generator(model, cache, tokenizer, max_batch_size=max_batch_size, **kwargs)

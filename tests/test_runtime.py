@@ -151,6 +151,24 @@ def test_bench_runs_through_the_generator(smol, monkeypatch):
     assert all(len(j.generated) == 1 for j in jobs[:3]) and all(len(j.generated) == 9 for j in jobs[3:])
 
 
+def test_bench_depth_decodes_after_a_long_prompt(smol, smollm_dir, monkeypatch):
+    """tg at depth D (llama-bench -d): the decode test's jobs bring a D-token prompt; the CLI names it tgN@dD and
+    refuses a depth past the model's context."""
+    from exl import benchmark
+
+    model, _ = smol
+    jobs = []
+    real = Generator.enqueue
+    monkeypatch.setattr(Generator, "enqueue", lambda self, job: (jobs.append(job), real(self, job))[1])
+    r = benchmark.run(model, pp=0, tg=4, reps=1, depth=300)
+    assert r["tg4@d300"] > 0 and "tg4" not in r
+    assert [len(j.input_ids) for j in jobs] == [300, 300] and all(len(j.generated) == 5 for j in jobs)
+    out = run_cli("bench", "-m", smollm_dir, "-p", 0, "-n", 4, "-d", 64, "-r", 1, "-t", 1)
+    assert out.returncode == 0 and "| tg4@d64 |" in out.stdout, out.stderr
+    out = run_cli("bench", "-m", smollm_dir, "-p", 0, "-n", 4, "-d", 10**6, "-r", 1, "-t", 1)
+    assert out.returncode != 0 and "exceeds the model's context" in out.stderr
+
+
 def test_bench_cli_json(smollm_dir):
     out = run_cli("bench", "-m", smollm_dir, "-p", 16, "-n", 4, "-r", 1, "-t", 1, "--json")
     assert out.returncode == 0, out.stderr

@@ -333,6 +333,36 @@ EXL_FP16_LOADER(16, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vec
 #undef EXL_FP16_LOADER
 #endif
 
+// n floats -> fp16 bits, rounded to nearest even (as c10::Half and Tensor.half()): vcvtps2ph in the AVX2 and AVX-512
+// tables (a new token's keys and values, stored into a float16 cache).
+template <int W>
+struct ToFp16 {
+  static inline void run(const float* x, uint16_t* y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) y[i] = c10::Half(x[i]).x;
+  }
+};
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+template <>
+struct ToFp16<8> {
+  static inline __attribute__((target("avx2,fma,f16c"))) void run(const float* x, uint16_t* y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; ++i) y[i] = c10::Half(x[i]).x;
+  }
+};
+template <>
+struct ToFp16<16> {
+  static inline __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512"))) void
+  run(const float* x, uint16_t* y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; ++i) y[i] = c10::Half(x[i]).x;
+  }
+};
+#endif
+
 // Decode tiles hold few query lanes (one row times a GQA group, e.g. 3 of 16): broadcasting each key element
 // over a mostly empty register wastes most of every multiply-add. So with up to kKeyMajorLanes lanes the
 // AVX-512 table turns 16 keys at a time around instead: load them, transpose each 16x16 block of (key,
@@ -534,6 +564,7 @@ template <class T>
 using AttendFn = void (*)(const float*, int64_t, int64_t, int64_t, const T*, const T*, const int64_t*,
                           const int64_t*, int64_t, float, float, float*, float*, int64_t);
 using ActMulFn = void (*)(const float*, const float*, float*, int64_t);
+using ToFp16Fn = void (*)(const float*, uint16_t*, int64_t);
 
 struct Kernels {
   const char* name;
@@ -541,6 +572,7 @@ struct Kernels {
   AttendFn<float> attend;        // over float32 keys and values
   AttendFn<uint16_t> attend_h;   // over fp16 ones (a float16 cache store)
   ActMulFn silu_mul, gelu_tanh_mul, gelu_mul, relu_mul;
+  ToFp16Fn to_fp16;  // floats -> fp16 bits, rounded to nearest even
 
   const AttendFn<float>& attend_for(const float*) const { return attend; }
   const AttendFn<uint16_t>& attend_for(const uint16_t*) const { return attend_h; }
@@ -564,8 +596,10 @@ struct Kernels {
   }                                                                                                             \
   ATTR void gelu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<GeluErf>(g, u, o, n); } \
   ATTR void relu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<Relu>(g, u, o, n); } \
+  ATTR void to_fp16_##NAME(const float* x, uint16_t* y, int64_t n) { ToFp16<W>::run(x, y, n); }                  \
   const Kernels k##NAME = {#NAME,                 W,                       attend_##NAME<float>, attend_##NAME<uint16_t>, \
-                           silu_mul_##NAME,       gelu_tanh_mul_##NAME,    gelu_mul_##NAME,      relu_mul_##NAME};
+                           silu_mul_##NAME,       gelu_tanh_mul_##NAME,    gelu_mul_##NAME,      relu_mul_##NAME, \
+                           to_fp16_##NAME};
 
 KERNEL_TABLE(scalar, , 4)
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -830,24 +864,33 @@ at::Tensor paged_step_attention(const at::Tensor& q, const at::Tensor& k, const 
   const KeyLists keys = paged_keys(op, pp, b, P, n_pages, page_size, seq.data(), pos.data(), b, window, d);
   const float* pk = k.data_ptr<float>();
   const float* pv = v.data_ptr<float>();
+  const Kernels* kern = kernels("auto", op);
   at::Tensor out = at::empty({b, hq, d}, q.options());
-  auto step = [&](auto* kd, auto* vd, auto convert) {
+  auto step = [&](auto* kd, auto* vd) {
     for (int64_t i = 0; i < b; ++i) {  // store the new keys and values first (a sequence attends to its own)
       const int64_t p = pos[i], slot = pp[i * P + p / page_size] * page_size + p % page_size;
       for (int64_t h = 0; h < hk; ++h) {
-        std::transform(pk + (i * hk + h) * d, pk + (i * hk + h + 1) * d, kd + (h * n_slots + slot) * d, convert);
-        std::transform(pv + (i * hk + h) * d, pv + (i * hk + h + 1) * d, vd + (h * n_slots + slot) * d, convert);
+        const float *ks = pk + (i * hk + h) * d, *vs = pv + (i * hk + h) * d;
+        auto* kt = kd + (h * n_slots + slot) * d;
+        auto* vt = vd + (h * n_slots + slot) * d;
+        if constexpr (std::is_same<std::remove_pointer_t<decltype(kd)>, float>::value) {
+          std::copy(ks, ks + d, kt);
+          std::copy(vs, vs + d, vt);
+        } else {
+          kern->to_fp16(ks, kt, d);
+          kern->to_fp16(vs, vt, d);
+        }
       }
     }
-    attend_listed(kernels("auto", op), q.data_ptr<float>(), out.data_ptr<float>(), b, hq, hk, d,
+    attend_listed(kern, q.data_ptr<float>(), out.data_ptr<float>(), b, hq, hk, d,
                   static_cast<const std::remove_pointer_t<decltype(kd)>*>(kd),
                   static_cast<const std::remove_pointer_t<decltype(vd)>*>(vd), n_slots * d, keys, float(scale),
                   float(softcap));
   };
   if (k_store.scalar_type() == at::kHalf)
-    step(fp16_bits(k_store), fp16_bits(v_store), [](float x) { return c10::Half(x).x; });  // round to nearest even
+    step(fp16_bits(k_store), fp16_bits(v_store));
   else
-    step(k_store.data_ptr<float>(), v_store.data_ptr<float>(), [](float x) { return x; });
+    step(k_store.data_ptr<float>(), v_store.data_ptr<float>());
   return out;
 }
 

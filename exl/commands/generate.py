@@ -22,7 +22,7 @@ def add_cache_arguments(p):
     from exl.cache.paged import CACHE_MODES
 
     p.add_argument("--cache-mode", choices=list(CACHE_MODES), default="auto",
-                   help="KV-cache precision (default auto: the model's dtype, as `exl serve`)")
+                   help="KV-cache precision (default auto: fp16 on the CPU, else the model's dtype; as `exl serve`)")
 
 
 def check_sampling_arguments(args):

@@ -67,8 +67,8 @@ class ModelSection(_Section):
     cache_size: int | None = _opt("--cache-size", "KV-cache size in tokens, shared by all running requests; "
                                   "default: max_seq_len (or 8192 for models with longer context)", ge=16)
     cache_mode: CacheMode = _opt(
-        "--cache-mode", "KV-cache precision: auto (the model's dtype, as every exl command), fp32, fp16, q8, q6, q4 "
-        "(bits per key/value) or q8k4v", "auto")
+        "--cache-mode", "KV-cache precision: auto (fp16 on the CPU, else the model's dtype; as every exl command), "
+        "fp32, fp16, q8, q6, q4 (bits per key/value) or q8k4v", "auto")
     page_size: int = _opt("--page-size", "tokens per KV-cache page", 256, ge=16)
     max_batch_size: int = _opt("--max-batch-size", "requests decoded together at most (more wait in a queue)",
                                32, ge=1)
@@ -220,11 +220,11 @@ def load_config(args: argparse.Namespace | None = None, path: str | Path | None 
         raise ConfigError(_format_errors(e, where)) from None
 
 
-def cache_bits(mode: str) -> tuple[int | None, int | None]:
-    """(k_bits, v_bits) of a cache mode name."""
+def cache_bits(mode: str, device=None) -> tuple[int | None, int | None]:
+    """(k_bits, v_bits) of a cache mode name for a model on `device` (exl.cache.paged.cache_bits)."""
     from exl.cache.paged import cache_bits as bits
 
-    return bits(mode)
+    return bits(mode, device)
 
 
 def sample_config() -> str:

@@ -291,11 +291,11 @@ class GeneratorStack:
 
         self.cache = self.draft_cache = self.generator = self.async_generator = None
         gc.collect()
-        k_bits, v_bits = cache_bits(self.cache_mode)
+        k_bits, v_bits = cache_bits(self.cache_mode, self.model.device)
         self.cache = PagedCache(self.model, max_tokens=self.cache_size, page_size=self.page_size, k_bits=k_bits,
                                 v_bits=v_bits)
         if self.draft_model is not None:
-            dk, dv = cache_bits(self.draft_cache_mode)
+            dk, dv = cache_bits(self.draft_cache_mode, self.draft_model.device)
             self.draft_cache = PagedCache(self.draft_model, max_tokens=self.cache_size, page_size=self.page_size,
                                           k_bits=dk, v_bits=dv)
         self.generator = Generator(
