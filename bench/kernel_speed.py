@@ -5,6 +5,7 @@
     python bench/kernel_speed.py --isas avxvnni,avx512vnni [--model DIR]   # int8 GEMV per instruction set
     python bench/kernel_speed.py --trellis [--isas avx2,avx512vnni]   # trellis GEMV vs 4-bit scalar, per ISA
     python bench/kernel_speed.py --crossover DIR [--rows 4,8,16,32,64,128]   # int8 GEMV vs GEMM over a model
+    python bench/kernel_speed.py --attention [--threads 2]   # CPU paged decode attention: fp32 vs fp16 cache
     python bench/kernel_speed.py [--cuda] --json   # one JSON line: decode GEMV GB/s against the device's bandwidth
                                               # (with --cuda also the trellis GEMV, codes 1, 2 and 3, and the
                                               # paged decode attention against torch's SDPA)
@@ -368,6 +369,57 @@ def attention_rates(ext, sync, cases=ATTENTION_CUDA_CASES, hq=32, hk=8, d=128, p
     return out
 
 
+def bench_cpu_attention(args, layers=30, hq=9, hk=3, d=64, page_size=256,
+                        cases=((1, 1024), (1, 4096), (16, 64), (16, 1024))):
+    """One decode step's CPU paged attention (cpu_fused.cpp, SmolLM2-135M's heads) over `layers` layers' stores
+    (cold, as in a real step), per (sequences, context): a float32 cache against a float16 one (the default on the
+    CPU), and torch's SDPA over contiguous float32 K/V as the peer (what a non-paged float cache costs). Wall time,
+    best of 5; GB/s of keys and values read."""
+    ext = cuda_ext_cpu()
+    print(f"{torch.get_num_threads()} threads; {layers} layers x ({hq} query / {hk} kv heads of {d}), "
+          f"{page_size}-slot pages in scattered order")
+    print("| sequences x context | fp32 cache µs (GB/s) | fp16 cache µs (GB/s) | fp32 / fp16 | SDPA fp32 µs | SDPA / fp16 |")
+    print("|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for b, ctx in cases:
+        per_seq = -(-ctx // page_size)
+        n_slots = b * per_seq * page_size
+        pages = torch.randperm(b * per_seq, generator=g).view(b, per_seq)
+        seqs, pos = torch.arange(b), torch.full((b,), ctx - 1)
+        q = torch.randn(b, hq, d, generator=g)
+        times, rates = {}, {}
+        for dtype in (torch.float32, torch.float16):
+            ks = [torch.randn(hk, n_slots, d, generator=g).to(dtype) for _ in range(layers)]
+            vs = [torch.randn(hk, n_slots, d, generator=g).to(dtype) for _ in range(layers)]
+
+            def step():
+                for i in range(layers):
+                    ext.paged_attention(q, ks[i], vs[i], pages, seqs, pos, page_size, d**-0.5, 0, 0.0)
+
+            times[dtype] = best_time(step, min_reps=5)
+            rates[dtype] = 2 * layers * b * ctx * hk * d * (4 if dtype == torch.float32 else 2) / times[dtype] / 1e9
+            del ks, vs
+        kc = [torch.randn(b, hk, ctx, d, generator=g) for _ in range(layers)]
+        vc = [torch.randn(b, hk, ctx, d, generator=g) for _ in range(layers)]
+        qs = q.view(b, hq, 1, d)
+
+        def sdpa():
+            for i in range(layers):
+                torch.nn.functional.scaled_dot_product_attention(qs, kc[i], vc[i], enable_gqa=True)
+
+        t_sdpa = best_time(sdpa, min_reps=5)
+        del kc, vc
+        f32, f16 = times[torch.float32], times[torch.float16]
+        print(f"| {b} x {ctx} | {f32 * 1e6:.0f} ({rates[torch.float32]:.1f}) | {f16 * 1e6:.0f} ({rates[torch.float16]:.1f}) "
+              f"| {f32 / f16:.2f}x | {t_sdpa * 1e6:.0f} | {t_sdpa / f16:.2f}x |", flush=True)
+
+
+def cuda_ext_cpu():
+    from cuda_ext import build
+
+    return build.load_cpu()
+
+
 def gemv_json(args):
     """One JSON line: the one-row GEMV (decode) of each shape, in GB/s of packed weights streamed, and the
     largest shape's rate as a fraction of the device's copy bandwidth (read + write) and of its datasheet.
@@ -476,6 +528,7 @@ def main():
     ap.add_argument("--codes", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 3],
                     help="trellis codes for --trellis (codes 2 and 3 always at L = 12, with the default tables)")
     ap.add_argument("--json", action="store_true", help="one JSON line: decode GEMV GB/s vs the device's bandwidth")
+    ap.add_argument("--attention", action="store_true", help="CPU paged decode attention, float32 vs float16 cache")
     ap.add_argument("--crossover", metavar="DIR", default=None,
                     help="an exl model folder: int8 GEMV vs dequant + GEMM over its layers at each of --rows")
     args = ap.parse_args()
@@ -485,6 +538,8 @@ def main():
         return gemv_json(args)
     if args.crossover:
         return bench_crossover(args)
+    if args.attention:
+        return bench_cpu_attention(args)
     (bench_cuda if args.cuda else bench_trellis if args.trellis else bench_isas if args.isas else bench_cpu)(args)
 
 

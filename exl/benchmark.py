@@ -50,11 +50,12 @@ def time_generation(gen, n: int, seed: int = 0, depth: int = 0) -> float:
     return ev.tokens_per_second
 
 
-def make_generator(model, pp: int, tg: int, depth: int = 0):
+def make_generator(model, pp: int, tg: int, depth: int = 0, cache_mode: str = "auto"):
     """One job at a time, a cache for the longer test, prompts in one chunk (up to 2,048 tokens)."""
     from exl.simple import make_generator as make
 
-    return make(model, None, max(pp, depth + tg + 1, 1), max_chunk_size=min(max(pp, depth, 1), 2048))
+    return make(model, None, max(pp, depth + tg + 1, 1), max_chunk_size=min(max(pp, depth, 1), 2048),
+                cache_mode=cache_mode)
 
 
 def model_bits_per_weight(model) -> float:
@@ -68,10 +69,11 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run(model, pp: int = 512, tg: int = 128, reps: int = 3, progress=None, depth: int = 0) -> dict:
+def run(model, pp: int = 512, tg: int = 128, reps: int = 3, progress=None, depth: int = 0,
+        cache_mode: str = "auto") -> dict:
     """{'pp512': mean tok/s, 'pp512_std', 'tg128', 'tg128_std', 'bpw', 'peak_rss_mib', 'threads'}; with depth > 0
-    the decode test is 'tg128@d1024' (its prompt `depth` tokens long)."""
-    gen = make_generator(model, pp, tg, depth)
+    the decode test is 'tg128@d1024' (its prompt `depth` tokens long). cache_mode: the KV cache's (exl.simple)."""
+    gen = make_generator(model, pp, tg, depth, cache_mode)
     out = {}
     tg_name = f"tg{tg}@d{depth}" if depth > 0 else f"tg{tg}"
     decode = lambda gen, n, seed: time_generation(gen, n, seed, depth)  # noqa: E731

@@ -163,8 +163,9 @@ def test_bench_depth_decodes_after_a_long_prompt(smol, smollm_dir, monkeypatch):
     r = benchmark.run(model, pp=0, tg=4, reps=1, depth=300)
     assert r["tg4@d300"] > 0 and "tg4" not in r
     assert [len(j.input_ids) for j in jobs] == [300, 300] and all(len(j.generated) == 5 for j in jobs)
-    out = run_cli("bench", "-m", smollm_dir, "-p", 0, "-n", 4, "-d", 64, "-r", 1, "-t", 1)
-    assert out.returncode == 0 and "| tg4@d64 |" in out.stdout, out.stderr
+    for mode in ("auto", "fp32"):
+        out = run_cli("bench", "-m", smollm_dir, "-p", 0, "-n", 4, "-d", 64, "-r", 1, "-t", 1, "--cache-mode", mode)
+        assert out.returncode == 0 and "| tg4@d64 |" in out.stdout, out.stderr
     out = run_cli("bench", "-m", smollm_dir, "-p", 0, "-n", 4, "-d", 10**6, "-r", 1, "-t", 1)
     assert out.returncode != 0 and "exceeds the model's context" in out.stderr
 

@@ -17,6 +17,9 @@ def add_arguments(p):
                    help="tokens for the tg test: one job's decode steps (default 128, 0 skips)")
     p.add_argument("-d", "--depth", type=int, default=0,
                    help="prompt tokens before the tg test's decode steps (llama-bench -d: 'tg128@d1024'; default 0)")
+    from exl.commands.generate import add_cache_arguments
+
+    add_cache_arguments(p)
     p.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs per test after one warm-up (default 3)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -44,6 +47,7 @@ def run(args) -> int:
         raise ExlError(f"--depth {args.depth} + --n-gen {args.n_gen} exceeds the model's context "
                        f"({model.config.max_position_embeddings} positions)")
     result = benchmark.run(model, args.n_prompt, args.n_gen, args.repetitions, depth=args.depth,
+                           cache_mode=args.cache_mode,
                            progress=lambda name, v: print(f"  {name}: {v:8.1f} tok/s", file=sys.stderr))
     print("| model | bpw | threads | test | tok/s |\n|---|---|---|---|---|")
     for test in (f"pp{args.n_prompt}", f"tg{args.n_gen}@d{args.depth}" if args.depth else f"tg{args.n_gen}"):
