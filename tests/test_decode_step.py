@@ -158,6 +158,9 @@ def test_float16_store_gives_the_bits_of_its_values_in_float32(ext, monkeypatch,
     table = torch.cat([torch.randperm(n_pages, generator=g(1))[:7], torch.zeros(1, dtype=torch.long)])[None]
     ks16 = torch.randn(hk, n_pages * ps, d, generator=g(2)).half()
     vs16 = torch.randn(hk, n_pages * ps, d, generator=g(3)).half()
+    sub = torch.tensor([3e-6, -5.9e-8, 6e-5, -1e-5]).half()  # fp16 subnormals (and one just below the normals)
+    ks16.view(-1)[::7] = sub.repeat(ks16.numel() // 28 + 1)[: ks16.view(-1)[::7].numel()]
+    vs16.view(-1)[3::5] = sub.flip(0).repeat(vs16.numel() // 20 + 1)[: vs16.view(-1)[3::5].numel()]
     q = torch.randn(length, hq, d, generator=g(4)) * 2
     k, v = torch.randn(1, hk, d, generator=g(5)) * 3, torch.randn(1, hk, d, generator=g(6))
     seqs, pos = torch.zeros(length, dtype=torch.long), torch.arange(length)
