@@ -31,7 +31,7 @@ from exl.threads import fix_threads
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import exl  # noqa: E402
-from exl.cache.paged import PagedCache, PagedContext, cache_bits  # noqa: E402
+from exl.cache.paged import CACHE_MODES, PagedCache, PagedContext, cache_bits  # noqa: E402
 from exl.generator import Generator, Job, SamplerSettings  # noqa: E402
 from exl.tokenizer import Tokenizer  # noqa: E402
 
@@ -151,6 +151,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (default 1: stable on a shared box; 0 = torch's choice)")
     ap.add_argument("--page-size", type=int, default=256)
+    ap.add_argument("--cache-mode", choices=list(CACHE_MODES), default="auto",
+                    help="the generators' KV cache (default auto, as the doors: fp16 on the CPU)")
     ap.add_argument("--quick", action="store_true", help="fewer tokens and windows (a smoke run)")
     ap.add_argument("--only", choices=("batching",), help="run only this part (batching: batch16_speedup and the cache "
                                                          "memory check)")
@@ -167,7 +169,7 @@ def main(argv=None) -> dict:
     res: dict = {"model": str(args.model), "threads": torch.get_num_threads(), "page_size": args.page_size}
 
     def new_gen(**kw):
-        k_bits, v_bits = cache_bits("auto", model.device)  # the cache the doors make (exl serve, exl.simple)
+        k_bits, v_bits = cache_bits(args.cache_mode, model.device)  # auto: the doors' cache (exl serve, exl.simple)
         cache = PagedCache(model, max_tokens=kw.pop("max_tokens", 16384), page_size=args.page_size, k_bits=k_bits,
                            v_bits=v_bits)
         return Generator(model, cache, tok, **kw)
