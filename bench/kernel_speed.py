@@ -378,7 +378,8 @@ def bench_cpu_attention(args, layers=30, hq=9, hk=3, d=64, page_size=256,
     ext = cuda_ext_cpu()
     print(f"{torch.get_num_threads()} threads; {layers} layers x ({hq} query / {hk} kv heads of {d}), "
           f"{page_size}-slot pages in scattered order")
-    print("| sequences x context | fp32 cache µs (GB/s) | fp16 cache µs (GB/s) | fp32 / fp16 | SDPA fp32 µs | SDPA / fp16 |")
+    print("| sequences x context | fp32 cache µs (GB/s) | fp16 cache µs (GB/s) | fp32 / fp16 | SDPA fp32 µs "
+          "| SDPA / fp16 |")
     print("|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     for b, ctx in cases:
@@ -410,8 +411,9 @@ def bench_cpu_attention(args, layers=30, hq=9, hk=3, d=64, page_size=256,
         t_sdpa = best_time(sdpa, min_reps=5)
         del kc, vc
         f32, f16 = times[torch.float32], times[torch.float16]
-        print(f"| {b} x {ctx} | {f32 * 1e6:.0f} ({rates[torch.float32]:.1f}) | {f16 * 1e6:.0f} ({rates[torch.float16]:.1f}) "
-              f"| {f32 / f16:.2f}x | {t_sdpa * 1e6:.0f} | {t_sdpa / f16:.2f}x |", flush=True)
+        print(f"| {b} x {ctx} | {f32 * 1e6:.0f} ({rates[torch.float32]:.1f}) | {f16 * 1e6:.0f} "
+              f"({rates[torch.float16]:.1f}) | {f32 / f16:.2f}x | {t_sdpa * 1e6:.0f} | {t_sdpa / f16:.2f}x |",
+              flush=True)
 
 
 def cuda_ext_cpu():

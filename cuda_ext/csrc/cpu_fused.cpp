@@ -302,7 +302,9 @@ template <int W, class T>
 struct Kv;
 template <int W>
 struct Kv<W, float> {
-  static EXL_INLINE typename Lanes<W>::V load(const float* p) { return *reinterpret_cast<const typename Lanes<W>::U*>(p); }
+  static EXL_INLINE typename Lanes<W>::V load(const float* p) {
+    return *reinterpret_cast<const typename Lanes<W>::U*>(p);
+  }
   static EXL_INLINE const float* row(const float* p, int64_t, float*) { return p; }
 };
 template <>
@@ -347,7 +349,8 @@ struct ToFp16<8> {
   static inline __attribute__((target("avx2,fma,f16c"))) void run(const float* x, uint16_t* y, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
     for (; i < n; ++i) y[i] = c10::Half(x[i]).x;
   }
 };
@@ -357,7 +360,8 @@ struct ToFp16<16> {
   run(const float* x, uint16_t* y, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i),
+                          _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
     for (; i < n; ++i) y[i] = c10::Half(x[i]).x;
   }
 };
@@ -597,14 +601,15 @@ struct Kernels {
   ATTR void gelu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<GeluErf>(g, u, o, n); } \
   ATTR void relu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<Relu>(g, u, o, n); } \
   ATTR void to_fp16_##NAME(const float* x, uint16_t* y, int64_t n) { ToFp16<W>::run(x, y, n); }                  \
-  const Kernels k##NAME = {#NAME,                 W,                       attend_##NAME<float>, attend_##NAME<uint16_t>, \
-                           silu_mul_##NAME,       gelu_tanh_mul_##NAME,    gelu_mul_##NAME,      relu_mul_##NAME, \
+  const Kernels k##NAME = {#NAME,           W,                    attend_##NAME<float>, attend_##NAME<uint16_t>, \
+                           silu_mul_##NAME, gelu_tanh_mul_##NAME, gelu_mul_##NAME,      relu_mul_##NAME,        \
                            to_fp16_##NAME};
 
 KERNEL_TABLE(scalar, , 4)
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 KERNEL_TABLE(avx2, __attribute__((target("avx2,fma,f16c"))), 8)
-KERNEL_TABLE(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512"))), 16)
+KERNEL_TABLE(avx512,
+             __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512"))), 16)
 constexpr const Kernels* kAvx2 = &kavx2;
 constexpr const Kernels* kAvx512 = &kavx512;
 #else
@@ -634,10 +639,10 @@ struct KeyLists {
 };
 
 // T query rows q [T, Hq, D] (contiguous), each over its own listed keys, into out [T, Hq, D]: kv head h's keys
-// and values (E: float, or uint16_t for fp16) start at kd + h * hs and vd + h * hs. Work items are tiles of one kv head: consecutive rows that
-// share their list's start (the rows of one sequence) times the head group's query heads, up to the table's
-// lanes. Tiles are taken from both ends in turn so that a causal prompt's short and long rows share each
-// thread's chunk evenly.
+// and values (E: float, or uint16_t for fp16) start at kd + h * hs and vd + h * hs. Work items are tiles of one
+// kv head: consecutive rows that share their list's start (the rows of one sequence) times the head group's query
+// heads, up to the table's lanes. Tiles are taken from both ends in turn so that a causal prompt's short and long
+// rows share each thread's chunk evenly.
 template <class E>
 void attend_listed(const Kernels* kern, const float* q, float* out, int64_t T, int64_t hq, int64_t hk, int64_t d,
                    const E* kd, const E* vd, int64_t hs, const KeyLists& keys, float scale, float softcap) {
@@ -669,8 +674,9 @@ void attend_listed(const Kernels* kern, const float* q, float* out, int64_t T, i
       for (int64_t r = t.row; r < t.row + t.nrows; ++r) n = std::max(n, keys.count[r]);
       s.resize(W * n);
       const int64_t nheads = std::min(heads, g - t.head), off = (t.row * hq + h * g + t.head) * d;
-      kern->attend_for(kd)(q + off, hq * d, t.nrows, nheads, kd + h * hs, vd + h * hs, keys.offs.data() + keys.first[t.row],
-                   keys.count.data() + t.row, d, scale, softcap, s.data(), out + off, hq * d);
+      kern->attend_for(kd)(q + off, hq * d, t.nrows, nheads, kd + h * hs, vd + h * hs,
+                           keys.offs.data() + keys.first[t.row], keys.count.data() + t.row, d, scale, softcap,
+                           s.data(), out + off, hq * d);
     }
   });
 }
@@ -807,8 +813,8 @@ KeyLists paged_keys(const char* op, const int64_t* pp, int64_t S, int64_t P, int
 const uint16_t* fp16_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
 uint16_t* fp16_bits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::Half>()); }
 
-// Attention of T query rows q [T, Hq, D] straight from a paged float32 or float16 store [Hk, slots, D] (keys and values
-// already written): row r of sequence seqs[r] at position positions[r] attends over its sequence's positions
+// Attention of T query rows q [T, Hq, D] straight from a paged float32 or float16 store [Hk, slots, D] (keys and
+// values already written): row r of sequence seqs[r] at position positions[r] attends over its sequence's positions
 // [positions[r] - window + 1, positions[r]] through its row of the page table pages [S, P]. Decode rows,
 // verified drafts and prompt chunks alike; returns out [T, Hq, D].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_store, const at::Tensor& v_store,
@@ -829,13 +835,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_store, const
                   fp16_bits(v_store), n_slots * d, keys, float(scale), float(softcap));
   else
     attend_listed(kernels("auto", op), q.data_ptr<float>(), out.data_ptr<float>(), T, hq, hk, d,
-                  k_store.data_ptr<float>(), v_store.data_ptr<float>(), n_slots * d, keys, float(scale), float(softcap));
+                  k_store.data_ptr<float>(), v_store.data_ptr<float>(), n_slots * d, keys, float(scale),
+                  float(softcap));
   return out;
 }
 
-// One decode step of B sequences over a paged float32 or float16 store (new keys and values rounded to nearest), in place: k, v [B, Hk, D] of each sequence's new
-// token are written at position lengths[b] - 1 (its slot from its row of the page table pages [B, P]), then
-// paged_attention's rows: q [B, Hq, D], row b of sequence b at position lengths[b] - 1. Returns out [B, Hq, D].
+// One decode step of B sequences over a paged float32 or float16 store (new keys and values rounded to nearest),
+// in place: k, v [B, Hk, D] of each sequence's new token are written at position lengths[b] - 1 (its slot from its
+// row of the page table pages [B, P]), then paged_attention's rows: q [B, Hq, D], row b of sequence b at position
+// lengths[b] - 1. Returns out [B, Hq, D].
 at::Tensor paged_step_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_store,
                                 at::Tensor& v_store, const at::Tensor& pages, const at::Tensor& lengths,
                                 int64_t page_size, double scale, int64_t window, double softcap) {
