@@ -64,6 +64,17 @@ def prepare(bits: float = 4.0, seed: int = 0, codes: str = "auto") -> tuple[Path
     return exl_dir, q4
 
 
+def lengths(ap, flag: str, text: str, lo: int, hi: int, example: str, why: str = "") -> list[int]:
+    """The sorted distinct token counts of a comma-separated flag value, each in lo..hi (else ap.error)."""
+    try:
+        values = sorted({int(v) for v in text.split(",")})
+    except ValueError:
+        ap.error(f"{flag} takes prompt lengths separated by commas, e.g. {example}; got {text!r}")
+    if not values or min(values) < lo or max(values) > hi:
+        ap.error(f"{flag} lengths must lie in {lo}..{hi}{why}; got {text!r}")
+    return values
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--exl", help="exl model folder (default: build the standard pair)")
@@ -80,18 +91,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if bool(args.exl) != bool(args.gguf):
         ap.error("give both --exl and --gguf, or neither")
-    try:
-        pps = sorted({int(v) for v in args.pp.split(",")})
-    except ValueError:
-        ap.error(f"--pp takes prompt lengths separated by commas, e.g. 16,32,512; got {args.pp!r}")
-    if not pps or min(pps) < 1 or max(pps) > 2048:
-        ap.error(f"--pp lengths must lie in 1..2048 (the benchmark's cache and llama.cpp's context); got {args.pp!r}")
-    try:
-        depths = sorted({int(v) for v in args.depth.split(",")})
-    except ValueError:
-        ap.error(f"--depth takes prompt lengths separated by commas, e.g. 0,1024; got {args.depth!r}")
-    if not depths or min(depths) < 0 or max(depths) > 8192:
-        ap.error(f"--depth lengths must lie in 0..8192; got {args.depth!r}")
+    pps = lengths(ap, "--pp", args.pp, 1, 2048, "16,32,512", " (the benchmark's cache and llama.cpp's context)")
+    depths = lengths(ap, "--depth", args.depth, 0, 8192, "0,1024")
     exl_dir, gguf = (Path(args.exl), Path(args.gguf)) if args.exl else prepare(args.bits, codes=args.codes)
 
     fix_threads(args.threads)

@@ -809,9 +809,15 @@ KeyLists paged_keys(const char* op, const int64_t* pp, int64_t S, int64_t P, int
   return keys;
 }
 
-// A float16 store's data as fp16 bits (attend_listed's element type for it).
-const uint16_t* fp16_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
-uint16_t* fp16_bits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::Half>()); }
+// f(keys, values) with a checked store pair's data: fp16 bits (uint16_t*) for float16 stores, else float*.
+template <class F>
+void with_store_data(const at::Tensor& k_store, const at::Tensor& v_store, const F& f) {
+  if (k_store.scalar_type() == at::kHalf)
+    f(reinterpret_cast<uint16_t*>(k_store.data_ptr<at::Half>()),
+      reinterpret_cast<uint16_t*>(v_store.data_ptr<at::Half>()));
+  else
+    f(k_store.data_ptr<float>(), v_store.data_ptr<float>());
+}
 
 // Attention of T query rows q [T, Hq, D] straight from a paged float32 or float16 store [Hk, slots, D] (keys and
 // values already written): row r of sequence seqs[r] at position positions[r] attends over its sequence's positions
@@ -830,13 +836,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_store, const
   const KeyLists keys = paged_keys(op, pages.data_ptr<int64_t>(), pages.size(0), pages.size(1), n_slots / page_size,
                                    page_size, seqs.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), T, window, d);
   at::Tensor out = at::empty({T, hq, d}, q.options());
-  if (k_store.scalar_type() == at::kHalf)
-    attend_listed(kernels("auto", op), q.data_ptr<float>(), out.data_ptr<float>(), T, hq, hk, d, fp16_bits(k_store),
-                  fp16_bits(v_store), n_slots * d, keys, float(scale), float(softcap));
-  else
-    attend_listed(kernels("auto", op), q.data_ptr<float>(), out.data_ptr<float>(), T, hq, hk, d,
-                  k_store.data_ptr<float>(), v_store.data_ptr<float>(), n_slots * d, keys, float(scale),
-                  float(softcap));
+  with_store_data(k_store, v_store, [&](auto* kd, auto* vd) {
+    attend_listed(kernels("auto", op), q.data_ptr<float>(), out.data_ptr<float>(), T, hq, hk, d, kd, vd, n_slots * d,
+                  keys, float(scale), float(softcap));
+  });
   return out;
 }
 
@@ -874,7 +877,7 @@ at::Tensor paged_step_attention(const at::Tensor& q, const at::Tensor& k, const 
   const float* pv = v.data_ptr<float>();
   const Kernels* kern = kernels("auto", op);
   at::Tensor out = at::empty({b, hq, d}, q.options());
-  auto step = [&](auto* kd, auto* vd) {
+  with_store_data(k_store, v_store, [&](auto* kd, auto* vd) {
     for (int64_t i = 0; i < b; ++i) {  // store the new keys and values first (a sequence attends to its own)
       const int64_t p = pos[i], slot = pp[i * P + p / page_size] * page_size + p % page_size;
       for (int64_t h = 0; h < hk; ++h) {
@@ -890,15 +893,9 @@ at::Tensor paged_step_attention(const at::Tensor& q, const at::Tensor& k, const 
         }
       }
     }
-    attend_listed(kern, q.data_ptr<float>(), out.data_ptr<float>(), b, hq, hk, d,
-                  static_cast<const std::remove_pointer_t<decltype(kd)>*>(kd),
-                  static_cast<const std::remove_pointer_t<decltype(vd)>*>(vd), n_slots * d, keys, float(scale),
-                  float(softcap));
-  };
-  if (k_store.scalar_type() == at::kHalf)
-    step(fp16_bits(k_store), fp16_bits(v_store));
-  else
-    step(k_store.data_ptr<float>(), v_store.data_ptr<float>());
+    attend_listed(kern, q.data_ptr<float>(), out.data_ptr<float>(), b, hq, hk, d, kd, vd, n_slots * d, keys,
+                  float(scale), float(softcap));
+  });
   return out;
 }
 
