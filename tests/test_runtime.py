@@ -151,6 +151,23 @@ def test_bench_runs_through_the_generator(smol, monkeypatch):
     assert all(len(j.generated) == 1 for j in jobs[:3]) and all(len(j.generated) == 9 for j in jobs[3:])
 
 
+def test_auto_cache_is_fp16_on_the_cpu_and_the_model_dtype_elsewhere(smol):
+    """Cache mode "auto", every door's default: fp16 stores for a CPU model (which the C++ attention and the one-call
+    decode read in place), the model's dtype (None) on other devices or without a device."""
+    from exl.cache.paged import PagedContext, cache_bits
+
+    model, tok = smol
+    assert cache_bits("auto", "cpu") == (16, 16) and cache_bits("auto", torch.device("cpu")) == (16, 16)
+    assert cache_bits("auto", "cuda") == (None, None) and cache_bits("auto") == (None, None)
+    assert cache_bits("fp32", "cpu") == (32, 32)
+    gen = make_generator(model, tok, 512)
+    assert gen.cache.k.data.dtype == torch.float16 and gen.cache.v.data.dtype == torch.float16
+    table = gen.cache.open([5, 6, 7], max_tokens=8)
+    gen.cache.extend(table, 1)
+    assert PagedContext(gen.cache, [(table, 1)]).decode_batch() is not None  # the one-call decode serves it
+    gen.cache.close(table)
+
+
 def test_bench_depth_decodes_after_a_long_prompt(smol, smollm_dir, monkeypatch):
     """tg at depth D (llama-bench -d): the decode test's jobs bring a D-token prompt; the CLI names it tgN@dD and
     refuses a depth past the model's context."""
