@@ -22,6 +22,7 @@ import torch
 from exl import format as F
 from exl.errors import ExlError
 from quant import passes
+from quant.candidates import TRELLIS_PREFIX, TrellisSetting
 from quant.faults import clean_tmp
 from quant.model_parts import SourceModel
 from quant.optimize import fixed_plan, optimize
@@ -154,13 +155,51 @@ def load_measurement(path: str | Path) -> dict:
     return m
 
 
+def serves_one_kind(key: dict, options: QuantOptions) -> bool:
+    """Whether a measurement made with --codes auto (key: its options) serves a conversion with --codes scalar or
+    --codes trellis: it priced both kinds of code under the same options, so the asked kind's candidates are
+    there (trellis: the widths it measured; explicit --trellis widths must be among them)."""
+    if key.get("codes") != "auto" or options.codes == "auto":
+        return False
+    want = options.measurement_key()
+    if any(key.get(k) != v for k, v in want.items() if k not in ("codes", "trellis_bits", "state_bits")):
+        return False
+    if options.codes == "trellis":
+        measured = set(key.get("trellis_bits") or ())
+        asked = set(options.trellis_bits) if options.trellis_bits is not None else measured
+        return key.get("state_bits") == options.state_bits and bool(asked) and asked <= measured
+    return True
+
+
+def one_kind(m: dict, options: QuantOptions) -> dict:
+    """The measurement with only the candidates of --codes scalar / trellis (see `serves_one_kind`); a matrix
+    that cannot be trellis-coded keeps its scalar candidates, as a --codes trellis measurement gives it."""
+    if options.codes == "auto" or (m.get("options") or {}).get("codes") != "auto":
+        return m
+    trellis = options.codes == "trellis"
+    widths = set(options.trellis_bits) if trellis and options.trellis_bits is not None else None
+
+    def keep(c):
+        name = c["setting"]
+        if not name.startswith(TRELLIS_PREFIX):
+            return False
+        return widths is None or TrellisSetting.parse(name).bits in widths
+
+    layers = []
+    for r in m["layers"]:
+        cands = [c for c in r["candidates"] if keep(c)] if trellis else \
+            [c for c in r["candidates"] if not c["setting"].startswith(TRELLIS_PREFIX)]
+        layers.append({**r, "candidates": cands or r["candidates"]})
+    return {**m, "layers": layers}
+
+
 def _check_measurement(m: dict, src: SourceModel, options: QuantOptions, path) -> None:
     for r in m["layers"]:
         name = f"{r['name']}.weight"
         if name not in src.loader or list(src.loader.info(name)[0]) != list(r["shape"]):
             raise ConvertError(f"-m {path}: it was measured on another model ({r['name']} "
                                f"{'is missing' if name not in src.loader else 'has another shape'} in {src.path})")
-    if m.get("options") != options.measurement_key():
+    if m.get("options") != options.measurement_key() and not serves_one_kind(m.get("options") or {}, options):
         hint = ""
         if "codes" not in (m.get("options") or {}) and options.codes != "scalar":
             hint = " It holds scalar settings only (made before trellis codes, or with --codes scalar): add --codes scalar."
@@ -174,6 +213,10 @@ def convert(job: Job, resume: bool = False, progress: bool = True) -> dict:
     check_job(job)
     dev = _device(job)
     src = SourceModel(job.input, dev)
+    given = None
+    if job.measurement:  # checked before anything is written: a refused -m leaves no work folder behind
+        given = load_measurement(job.measurement)
+        _check_measurement(given, src, job.options, job.measurement)
     wd = _prepare_work(job, resume)
     options = job.options
     timings = wd.load_json("timings.json") if wd.exists("timings.json") else {}
@@ -189,9 +232,8 @@ def convert(job: Job, resume: bool = False, progress: bool = True) -> dict:
     lap("calibration", t0)
 
     # measurement
-    if job.measurement:
-        measurement = load_measurement(job.measurement)
-        _check_measurement(measurement, src, options, job.measurement)
+    if given is not None:
+        measurement = one_kind(given, options)
     elif wd.exists("measurement.json"):
         measurement = wd.load_json("measurement.json")
     else:

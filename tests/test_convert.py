@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -238,6 +239,20 @@ def test_auto_codes_choose_the_better_kind_per_matrix(tiny, tmp_path):
     assert report["predicted_kl"] == pytest.approx(both)
     assert both <= optimize(only(True), 3.5)["predicted_kl"] + 1e-12
     assert both <= optimize(only(False), 3.5)["predicted_kl"] + 1e-12
+    # the auto measurement serves a trellis-only and a scalar-only conversion: the optimizer sees one kind
+    for kind, trellis in (("trellis", True), ("scalar", False)):
+        one = replace(options, codes=kind, trellis_bits=None)
+        rep = convert(tiny_job(tiny, tmp_path / kind, bits=3.5, options=one, measurement=str(tmp_path / "a")),
+                      progress=False)
+        assert {s["setting"].startswith("trellis") for s in rep["layers"]} == {trellis}
+        assert rep["predicted_kl"] == pytest.approx(optimize(only(trellis), 3.5)["predicted_kl"])
+        assert "measure" not in rep["timings"]
+    # but not with trellis widths it did not measure, nor other options
+    for other in (replace(options, codes="trellis", trellis_bits=(2, 3, 6)), replace(options, codes="scalar", damp=0.02)):
+        with pytest.raises(ConvertError, match="other quantizer options"):
+            convert(tiny_job(tiny, tmp_path / "c", bits=3.5, options=other, measurement=str(tmp_path / "a")),
+                    progress=False)
+        assert not (tmp_path / "c").exists()  # refused before anything was written
     # a scalar-only measurement (as made before trellis codes) is refused with a hint
     with pytest.raises(ConvertError, match="--codes scalar"):
         convert(tiny_job(tiny, tmp_path / "b", options=options, measurement=str(_scalar_measurement(tmp_path))),

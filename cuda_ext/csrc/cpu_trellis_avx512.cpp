@@ -305,6 +305,9 @@ EXL_TINLINE void amx_configure_code1(int64_t M) {
   c.palette = 1;
   for (int t : {0, 1, 2, 3}) c.rows[t] = uint8_t(M), c.colsb[t] = 64;
   for (int t : {4, 5}) c.rows[t] = 16, c.colsb[t] = 64;
+  // GCC's _tile_loadconfig declares a read of 8 bytes only: without this barrier the stores to c above may be
+  // dropped (seen as a SIGSEGV in an earlier kernel)
+  asm volatile("" : : "r"(&c) : "memory");
   _tile_loadconfig(&c);
 }
 
