@@ -182,6 +182,44 @@ def test_float16_store_gives_the_bits_of_its_values_in_float32(ext, monkeypatch,
         ext.paged_attention(q, ks16, vs16.float(), table, seqs, pos, ps, scale, window, softcap)
 
 
+@pytest.mark.parametrize("d,hq,hk,n,window,softcap", [(64, 9, 3, 1203, 0, 0.0), (128, 8, 2, 700, 0, 30.0),
+                                                      (64, 9, 3, 2000, 777, 0.0)])
+def test_a_long_rows_attention_shared_by_the_threads_keeps_its_bits(ext, monkeypatch, d, hq, hk, n, window, softcap):
+    """One decode row over a long context, with fewer tiles than twice the threads: the threads share its scores
+    (key ranges), softmax (lanes) and output (column halves). On every ISA table, float32 and float16 stores, the
+    row gives the bits it gives when it shares the call with another sequence's row (one tile per thread), and
+    agrees with the float64 reference."""
+    ps, scale = 16, d**-0.5
+    pages = (n + 1 + ps - 1) // ps
+    table = torch.randperm(2 * pages, generator=g(1))[None, :pages]
+    store = [torch.randn(hk, 2 * pages * ps, d, generator=g(2)), torch.randn(hk, 2 * pages * ps, d, generator=g(3))]
+    q = torch.randn(1, hq, d, generator=g(4)) * 2
+    k, v = torch.randn(1, hk, d, generator=g(5)), torch.randn(1, hk, d, generator=g(6))
+    other = torch.randn(1, hq, d, generator=g(7))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for isa in ext.isa_names():
+            monkeypatch.setenv("EXL_CPU_ISA", isa)
+            for dtype in (torch.float32, torch.float16):
+                ks, vs = (t.to(dtype) for t in store)
+                before = ext.split_attention_rows()
+                alone = ext.paged_step_attention(q, k, v, ks, vs, table, torch.tensor([n]), ps, scale, window,
+                                                 softcap)
+                assert ext.split_attention_rows() == before + 1, (isa, dtype)  # it took the shared path
+                both = ext.paged_attention(torch.cat([q, other]), ks, vs, torch.cat([table, table.flip(1)]),
+                                           torch.tensor([0, 1]), torch.tensor([n - 1, n - 1]), ps, scale, window,
+                                           softcap)
+                assert ext.split_attention_rows() == before + 1, (isa, dtype)  # two rows: one tile per thread
+                assert torch.equal(alone[0], both[0]), (isa, dtype)
+                want, _, _ = reference_paged_attention(q, k.to(dtype).float(), v.to(dtype).float(),
+                                                       store[0].to(dtype).float(), store[1].to(dtype).float(), table,
+                                                       torch.tensor([n]), ps, scale, window, softcap)
+                close(alone, want, 1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_paged_attention_rejects_bad_rows(ext):
     ks, q = torch.zeros(2, 16, 8), torch.zeros(2, 2, 8)
     pages = torch.tensor([[0, 1]])

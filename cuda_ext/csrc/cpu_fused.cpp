@@ -26,6 +26,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -425,13 +426,13 @@ EXL_INLINE void prefetch_rows(const T* keys, const T* values, const int64_t* off
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(values + offs[r]) + b);
 }
 
-// Scores of the first 16*floor(n/16) keys for `lanes` query lanes (qf: the transposed queries, lane l of
-// element i at qf[i*16 + l]) into s[l*n + j], times scale. Returns the number of keys done.
+// Scores of keys j0 .. j0 + 16*floor((j1 - j0)/16) - 1 for `lanes` query lanes (qf: the transposed queries, lane l
+// of element i at qf[i*16 + l]) into s[l*n + j] (n: all the tile's keys), times scale. Returns the first key not done.
 template <int D, class T>
-EXL_INLINE int64_t scores_key_major(const float* qf, int64_t lanes, const T* keys, const int64_t* offs, int64_t n,
-                                   float scale, float* s, const T* values) {
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
+EXL_INLINE int64_t scores_key_major(const float* qf, int64_t lanes, const T* keys, const int64_t* offs, int64_t j0,
+                                   int64_t j1, int64_t n, float scale, float* s, const T* values) {
+  int64_t j = j0;
+  for (; j + 16 <= j1; j += 16) {
     prefetch_rows(keys, values, offs, j, 16, n, D);
     V16 acc[kKeyMajorLanes] = {};
     for (int64_t c = 0; c < D; c += 16) {
@@ -466,24 +467,19 @@ EXL_INLINE void weigh_values(const float* s, int64_t n, const float* inv, const 
     for (int64_t c = 0; c < C; ++c) *reinterpret_cast<U*>(o + a * os_ + c * W) = acc[a][c];
 }
 
+// Scores of keys [j0, j1) of a tile (qf: its lanes' queries, transposed: lane l of element i at qf[i*W + l]) into
+// s[l*n + j], times scale; j0 a multiple of 16. Every score is the same in-order chain whichever loop computes it,
+// so a tile's scores may be computed in any split of its keys.
 template <int D, int W, class T>
-EXL_INLINE void attend_tile(const float* q, int64_t rs, int64_t nrows, int64_t nheads, const T* keys,
-                            const T* values, const int64_t* offs, const int64_t* counts, int64_t d_,
-                            float scale, float softcap, float* s, float* out, int64_t os) {
+EXL_INLINE void tile_scores(const float* qf, int64_t lanes, const T* keys, const T* values, const int64_t* offs,
+                            int64_t j0, int64_t j1, int64_t n, int64_t d_, float scale, float* s) {
   using V = typename Lanes<W>::V;
   using U = typename Lanes<W>::U;
-  const int64_t d = D > 0 ? D : d_, lanes = nrows * nheads;
-  int64_t n = 0;
-  for (int64_t r = 0; r < nrows; ++r) n = counts[r] > n ? counts[r] : n;
-  V qt_fixed[D > 0 ? D : 1];  // the lanes' queries, transposed: lane l of qt[i] is element i of lane l's query
-  std::vector<float> qt_any(D > 0 ? 0 : d * W);
-  float* qf = D > 0 ? reinterpret_cast<float*>(qt_fixed) : qt_any.data();
-  for (int64_t i = 0; i < d; ++i)
-    for (int64_t l = 0; l < W; ++l) qf[i * W + l] = l < lanes ? q[(l / nheads) * rs + (l % nheads) * d + i] : 0.f;
+  const int64_t d = D > 0 ? D : d_;
   const U* qt = reinterpret_cast<const U*>(qf);
-  int64_t j = 0;
+  int64_t j = j0;
   if constexpr (W == 16 && D > 0 && D % 16 == 0) {
-    if (lanes <= kKeyMajorLanes) j = scores_key_major<D>(qf, lanes, keys, offs, n, scale, s, values);
+    if (lanes <= kKeyMajorLanes) j = scores_key_major<D>(qf, lanes, keys, offs, j0, j1, n, scale, s, values);
   }
   // fp16 rows are converted to float before the loops below read them element by element
   constexpr bool kF32 = std::is_same<T, float>::value;
@@ -491,7 +487,7 @@ EXL_INLINE void attend_tile(const float* q, int64_t rs, int64_t nrows, int64_t n
   std::vector<float> kb_any(D > 0 || kF32 ? 0 : 4 * d);
   float* kb[4];
   for (int r = 0; r < 4; ++r) kb[r] = D > 0 ? kb_fixed[r] : kb_any.data() + r * d;
-  for (; j + 4 <= n; j += 4) {  // four keys at a time: four independent chains per lane
+  for (; j + 4 <= j1; j += 4) {  // four keys at a time: four independent chains per lane
     prefetch_rows(keys, values, offs, j, 4, n, d);
     const float *k0 = Kv<W, T>::row(keys + offs[j], d, kb[0]), *k1 = Kv<W, T>::row(keys + offs[j + 1], d, kb[1]),
                 *k2 = Kv<W, T>::row(keys + offs[j + 2], d, kb[2]), *k3 = Kv<W, T>::row(keys + offs[j + 3], d, kb[3]);
@@ -507,47 +503,82 @@ EXL_INLINE void attend_tile(const float* q, int64_t rs, int64_t nrows, int64_t n
       sl[0] = a0[l] * scale, sl[1] = a1[l] * scale, sl[2] = a2[l] * scale, sl[3] = a3[l] * scale;
     }
   }
-  for (; j < n; ++j) {
+  for (; j < j1; ++j) {
     const float* kj = Kv<W, T>::row(keys + offs[j], d, kb[0]);
     V a = {};
     for (int64_t i = 0; i < d; ++i) a += qt[i] * kj[i];
     for (int64_t l = 0; l < lanes; ++l) s[l * n + j] = a[l] * scale;
   }
-  float inv[W];
-  for (int64_t l = 0; l < lanes; ++l) {  // softmax of each lane's scores (unnormalized; inv[l] = 1 / their sum)
-    const int64_t m = counts[l / nheads];  // this lane's keys
-    float* sh = s + l * n;
-    if (softcap > 0.f)
-      for (int64_t j = 0; j < m; ++j) sh[j] = softcap * std::tanh(sh[j] / softcap);
-    float mx = -INFINITY;
+}
+
+// One lane's softmax over its m scores sh (unnormalized: returns 1 / their sum), after the softcap if any.
+EXL_INLINE float lane_softmax(float* sh, int64_t m, float softcap) {
+  if (softcap > 0.f)
+    for (int64_t j = 0; j < m; ++j) sh[j] = softcap * std::tanh(sh[j] / softcap);
+  float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < m; ++j) mx = sh[j] > mx ? sh[j] : mx;  // (std::max would not inline into the AVX2 instance)
-    float sum = 0.f;
+  for (int64_t j = 0; j < m; ++j) mx = sh[j] > mx ? sh[j] : mx;  // (std::max would not inline into the AVX2 instance)
+  float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < m; ++j) {
-      sh[j] = exp_f32(sh[j] - mx);
-      sum += sh[j];
-    }
-    inv[l] = 1.f / sum;
+  for (int64_t j = 0; j < m; ++j) {
+    sh[j] = exp_f32(sh[j] - mx);
+    sum += sh[j];
   }
+  return 1.f / sum;
+}
+
+// out = Σ_j p_j v_j for the lanes of a one-row tile (their output rows follow each other at o), output columns
+// [c0·W, c1·W) only: G lanes per pass over the values, C = c1 - c0 vectors per row. Each output element is its own
+// chain in order of j, so any split of the columns gives the same bits.
+template <int64_t C, int W, class T>
+EXL_INLINE void weigh_row_lanes(const float* s, int64_t n, const float* inv, int64_t lanes, const T* values,
+                                const int64_t* offs, int64_t m, int64_t d, int64_t c0, float* o) {
+  constexpr int64_t R = W == 16 ? 16 : 8, G = C >= R ? 1 : std::min<int64_t>(4, R / C);  // R: accumulators
+  for (int64_t l0 = 0; l0 < lanes;) {
+    const int64_t g = std::min<int64_t>(G, lanes - l0);
+    const T* v = values + c0 * W;
+    float* ol = o + l0 * d + c0 * W;
+    switch (g) {
+      case 4: weigh_values<4, C, W, T>(s + l0 * n, n, inv + l0, v, offs, m, ol, d); break;
+      case 3: weigh_values<3, C, W, T>(s + l0 * n, n, inv + l0, v, offs, m, ol, d); break;
+      case 2: weigh_values<2, C, W, T>(s + l0 * n, n, inv + l0, v, offs, m, ol, d); break;
+      default: weigh_values<1, C, W, T>(s + l0 * n, n, inv + l0, v, offs, m, ol, d); break;
+    }
+    l0 += g;
+  }
+}
+
+template <int D, int W, class T>
+EXL_INLINE void attend_tile(const float* q, int64_t rs, int64_t nrows, int64_t nheads, const T* keys,
+                            const T* values, const int64_t* offs, const int64_t* counts, int64_t d_,
+                            float scale, float softcap, float* s, float* out, int64_t os) {
+  using V = typename Lanes<W>::V;
+  const int64_t d = D > 0 ? D : d_, lanes = nrows * nheads;
+  int64_t n = 0;
+  for (int64_t r = 0; r < nrows; ++r) n = counts[r] > n ? counts[r] : n;
+  V qt_fixed[D > 0 ? D : 1];  // the lanes' queries, transposed: lane l of qt[i] is element i of lane l's query
+  std::vector<float> qt_any(D > 0 ? 0 : d * W);
+  float* qf = D > 0 ? reinterpret_cast<float*>(qt_fixed) : qt_any.data();
+  for (int64_t i = 0; i < d; ++i)
+    for (int64_t l = 0; l < W; ++l) qf[i * W + l] = l < lanes ? q[(l / nheads) * rs + (l % nheads) * d + i] : 0.f;
+  tile_scores<D, W, T>(qf, lanes, keys, values, offs, 0, n, n, d, scale, s);
+  float inv[W];
+  for (int64_t l = 0; l < lanes; ++l) inv[l] = lane_softmax(s + l * n, counts[l / nheads], softcap);
   // out = Σ_j p_j v_j per lane, in order of j. With D known the output rows live in registers across the loop
   // over values; a decode tile (one row: every lane has the same keys) runs G lanes per pass over the values,
   // so that each value row is loaded once for them and their G * D/W chains overlap. The same per-lane sums.
   if constexpr (D > 0 && D % W == 0) {
-    constexpr int64_t C = D / W, R = W == 16 ? 16 : 8, G = C >= R ? 1 : std::min<int64_t>(4, R / C);  // R: accumulators
-    for (int64_t l0 = 0; l0 < lanes;) {
-      const int64_t g = nrows == 1 ? std::min<int64_t>(G, lanes - l0) : 1;
-      const int64_t m = counts[l0 / nheads];
-      float* o = out + (l0 / nheads) * os + (l0 % nheads) * d;  // the g lanes' rows follow each other (one row)
-      switch (g) {
-        case 4: weigh_values<4, C, W, T>(s + l0 * n, n, inv + l0, values, offs, m, o, d); break;
-        case 3: weigh_values<3, C, W, T>(s + l0 * n, n, inv + l0, values, offs, m, o, d); break;
-        case 2: weigh_values<2, C, W, T>(s + l0 * n, n, inv + l0, values, offs, m, o, d); break;
-        default: weigh_values<1, C, W, T>(s + l0 * n, n, inv + l0, values, offs, m, o, d); break;
-      }
-      l0 += g;
+    if (nrows == 1) {
+      weigh_row_lanes<D / W, W, T>(s, n, inv, lanes, values, offs, counts[0], d, 0, out);
+    } else {
+      for (int64_t l = 0; l < lanes; ++l)
+        weigh_values<1, D / W, W, T>(s + l * n, n, inv + l, values, offs, counts[l / nheads],
+                                     out + (l / nheads) * os + (l % nheads) * d, d);
     }
   } else {
+    alignas(64) float kb[D > 0 ? D : 1];
+    std::vector<float> kb_any(D > 0 ? 0 : d);
+    float* buf = D > 0 ? kb : kb_any.data();
     for (int64_t l = 0; l < lanes; ++l) {
       const int64_t m = counts[l / nheads];
       const float* sh = s + l * n;
@@ -556,7 +587,7 @@ EXL_INLINE void attend_tile(const float* q, int64_t rs, int64_t nrows, int64_t n
       for (int64_t i = 0; i < d; ++i) oh[i] = 0.f;
       for (int64_t j = 0; j < m; ++j) {
         const float p = sh[j] * inv[l];
-        const float* vj = Kv<W, T>::row(values + offs[j], d, kb[0]);
+        const float* vj = Kv<W, T>::row(values + offs[j], d, buf);
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) oh[i] += p * vj[i];
       }
@@ -564,9 +595,26 @@ EXL_INLINE void attend_tile(const float* q, int64_t rs, int64_t nrows, int64_t n
   }
 }
 
+// A one-row tile split over threads (a long context's single decode row): its scores by key ranges, its lanes'
+// softmax, then its output by column halves, with tile_scores, lane_softmax and weigh_row_lanes as attend_tile
+// (so the same bits). Head dims 64 and 128.
+template <int D, int W, class T>
+EXL_INLINE void split_weigh(const float* s, int64_t n, const float* inv, int64_t lanes, const T* values,
+                            const int64_t* offs, int64_t half, float* o) {
+  constexpr int64_t C = D / W / 2;
+  weigh_row_lanes<C, W, T>(s, n, inv, lanes, values, offs, n, D, half * C, o);
+}
+
 template <class T>
 using AttendFn = void (*)(const float*, int64_t, int64_t, int64_t, const T*, const T*, const int64_t*,
                           const int64_t*, int64_t, float, float, float*, float*, int64_t);
+template <class T>
+using SplitScoresFn = void (*)(const float*, int64_t, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t,
+                               int64_t, float, float*);
+using SplitSoftmaxFn = float (*)(float*, int64_t, float);
+template <class T>
+using SplitWeighFn = void (*)(const float*, int64_t, const float*, int64_t, const T*, const int64_t*, int64_t, int64_t,
+                              float*);
 using ActMulFn = void (*)(const float*, const float*, float*, int64_t);
 using ToFp16Fn = void (*)(const float*, uint16_t*, int64_t);
 
@@ -575,11 +623,21 @@ struct Kernels {
   int64_t lanes;  // query vectors per attention tile (one vector register's floats)
   AttendFn<float> attend;        // over float32 keys and values
   AttendFn<uint16_t> attend_h;   // over fp16 ones (a float16 cache store)
+  // one-row tiles split over threads (attend_listed): scores of a key range, a lane's softmax, a column half
+  SplitScoresFn<float> split_scores;
+  SplitScoresFn<uint16_t> split_scores_h;
+  SplitSoftmaxFn split_softmax;
+  SplitWeighFn<float> split_weigh;
+  SplitWeighFn<uint16_t> split_weigh_h;
   ActMulFn silu_mul, gelu_tanh_mul, gelu_mul, relu_mul;
   ToFp16Fn to_fp16;  // floats -> fp16 bits, rounded to nearest even
 
   const AttendFn<float>& attend_for(const float*) const { return attend; }
   const AttendFn<uint16_t>& attend_for(const uint16_t*) const { return attend_h; }
+  const SplitScoresFn<float>& scores_for(const float*) const { return split_scores; }
+  const SplitScoresFn<uint16_t>& scores_for(const uint16_t*) const { return split_scores_h; }
+  const SplitWeighFn<float>& weigh_for(const float*) const { return split_weigh; }
+  const SplitWeighFn<uint16_t>& weigh_for(const uint16_t*) const { return split_weigh_h; }
 };
 
 #define KERNEL_TABLE(NAME, ATTR, W)                                                                             \
@@ -594,6 +652,23 @@ struct Kernels {
     else                                                                                                        \
       attend_tile<0, W, T>(q, rs, nrows, nheads, k, v, offs, counts, d, scale, softcap, s, out, os);            \
   }                                                                                                             \
+  template <class T>                                                                                            \
+  ATTR void split_scores_##NAME(const float* qf, int64_t lanes, const T* k, const T* v, const int64_t* offs,   \
+                                int64_t j0, int64_t j1, int64_t n, int64_t d, float scale, float* s) {         \
+    if (d == 64)                                                                                                \
+      tile_scores<64, W, T>(qf, lanes, k, v, offs, j0, j1, n, d, scale, s);                                     \
+    else                                                                                                        \
+      tile_scores<128, W, T>(qf, lanes, k, v, offs, j0, j1, n, d, scale, s);                                    \
+  }                                                                                                             \
+  ATTR float split_softmax_##NAME(float* sh, int64_t m, float softcap) { return lane_softmax(sh, m, softcap); }  \
+  template <class T>                                                                                            \
+  ATTR void split_weigh_##NAME(const float* s, int64_t n, const float* inv, int64_t lanes, const T* v,          \
+                               const int64_t* offs, int64_t d, int64_t half, float* o) {                        \
+    if (d == 64)                                                                                                \
+      split_weigh<64, W, T>(s, n, inv, lanes, v, offs, half, o);                                                \
+    else                                                                                                        \
+      split_weigh<128, W, T>(s, n, inv, lanes, v, offs, half, o);                                               \
+  }                                                                                                             \
   ATTR void silu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<Silu>(g, u, o, n); } \
   ATTR void gelu_tanh_mul_##NAME(const float* g, const float* u, float* o, int64_t n) {                         \
     act_mul_span<GeluTanh>(g, u, o, n);                                                                         \
@@ -601,8 +676,19 @@ struct Kernels {
   ATTR void gelu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<GeluErf>(g, u, o, n); } \
   ATTR void relu_mul_##NAME(const float* g, const float* u, float* o, int64_t n) { act_mul_span<Relu>(g, u, o, n); } \
   ATTR void to_fp16_##NAME(const float* x, uint16_t* y, int64_t n) { ToFp16<W>::run(x, y, n); }                  \
-  const Kernels k##NAME = {#NAME,           W,                    attend_##NAME<float>, attend_##NAME<uint16_t>, \
-                           silu_mul_##NAME, gelu_tanh_mul_##NAME, gelu_mul_##NAME,      relu_mul_##NAME,        \
+  const Kernels k##NAME = {#NAME,                                                                                \
+                           W,                                                                                    \
+                           attend_##NAME<float>,                                                                 \
+                           attend_##NAME<uint16_t>,                                                              \
+                           split_scores_##NAME<float>,                                                           \
+                           split_scores_##NAME<uint16_t>,                                                        \
+                           split_softmax_##NAME,                                                                 \
+                           split_weigh_##NAME<float>,                                                            \
+                           split_weigh_##NAME<uint16_t>,                                                         \
+                           silu_mul_##NAME,                                                                      \
+                           gelu_tanh_mul_##NAME,                                                                 \
+                           gelu_mul_##NAME,                                                                      \
+                           relu_mul_##NAME,                                                                      \
                            to_fp16_##NAME};
 
 KERNEL_TABLE(scalar, , 4)
@@ -643,6 +729,68 @@ struct KeyLists {
 // kv head: consecutive rows that share their list's start (the rows of one sequence) times the head group's query
 // heads, up to the table's lanes. Tiles are taken from both ends in turn so that a causal prompt's short and long
 // rows share each thread's chunk evenly.
+// One decode row over a long context, when its tiles (one per kv head and group of query heads) are fewer than twice
+// the threads: a tile a thread would take the whole of would leave the others idle (SmolLM2's 3 kv heads on 2
+// threads: 2 + 1). So the threads share each tile's work instead, in three passes: the scores by ranges of
+// kSplitBlock keys, the lanes' softmax, the output by column halves; with attend_tile's own pieces (tile_scores,
+// lane_softmax, weigh_row_lanes), so a row's result is bit for bit what one thread gives.
+constexpr int64_t kSplitKeys = 512, kSplitBlock = 256;
+std::atomic<int64_t> split_rows{0};  // rows attended this way (a test reads it)
+
+template <class E>
+void attend_split(const Kernels* kern, const float* q, float* out, int64_t hq, int64_t hk, int64_t d, const E* kd,
+                  const E* vd, int64_t hs, const KeyLists& keys, float scale, float softcap) {
+  const int64_t g = hq / hk, W = kern->lanes, n = keys.count[0];
+  const int64_t* offs = keys.offs.data() + keys.first[0];
+  struct Item {
+    int64_t h, head, lanes;  // kv head, first query head of the group, query heads (lanes)
+  };
+  std::vector<Item> items;
+  std::vector<std::pair<int64_t, int64_t>> lanes;  // (item, lane)
+  int64_t most = 1;
+  for (int64_t h = 0; h < hk; ++h)
+    for (int64_t head = 0; head < g; head += W) {
+      const int64_t nl = std::min(W, g - head);
+      for (int64_t l = 0; l < nl; ++l) lanes.push_back({int64_t(items.size()), l});
+      items.push_back({h, head, nl});
+      most = std::max(most, nl);
+    }
+  const int64_t ni = int64_t(items.size()), blocks = (n + kSplitBlock - 1) / kSplitBlock;
+  split_rows.fetch_add(1, std::memory_order_relaxed);
+  thread_local std::vector<float> qf, sc, inv;  // grown, never shrunk: no zeroing per call
+  if (qf.size() < size_t(ni * d * W)) qf.resize(ni * d * W);
+  if (sc.size() < size_t(ni * most * n)) sc.resize(ni * most * n);
+  if (inv.size() < size_t(ni * W)) inv.resize(ni * W);
+  for (int64_t i = 0; i < ni; ++i) {  // each tile's queries, transposed as attend_tile holds them
+    const float* qi = q + (items[i].h * g + items[i].head) * d;
+    float* f = qf.data() + i * d * W;
+    for (int64_t e = 0; e < d; ++e)
+      for (int64_t l = 0; l < W; ++l) f[e * W + l] = l < items[i].lanes ? qi[l * d + e] : 0.f;
+  }
+  float *s = sc.data(), *qt = qf.data(), *iv = inv.data();  // (the workers' own thread_locals are other vectors)
+  exl::cpu::parallel_for(0, ni * blocks, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const Item& it = items[u / blocks];
+      const int64_t j0 = (u % blocks) * kSplitBlock;
+      kern->scores_for(kd)(qt + (u / blocks) * d * W, it.lanes, kd + it.h * hs, vd + it.h * hs, offs, j0,
+                           std::min(n, j0 + kSplitBlock), n, d, scale, s + (u / blocks) * most * n);
+    }
+  });
+  exl::cpu::parallel_for(0, int64_t(lanes.size()), 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const auto [i, l] = lanes[u];
+      iv[i * W + l] = kern->split_softmax(s + (i * most + l) * n, n, softcap);
+    }
+  });
+  exl::cpu::parallel_for(0, ni * 2, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const Item& it = items[u / 2];
+      kern->weigh_for(kd)(s + (u / 2) * most * n, n, iv + (u / 2) * W, it.lanes, vd + it.h * hs, offs, d,
+                          u % 2, out + (it.h * g + it.head) * d);
+    }
+  });
+}
+
 template <class E>
 void attend_listed(const Kernels* kern, const float* q, float* out, int64_t T, int64_t hq, int64_t hk, int64_t d,
                    const E* kd, const E* vd, int64_t hs, const KeyLists& keys, float scale, float softcap) {
@@ -661,6 +809,11 @@ void attend_listed(const Kernels* kern, const float* q, float* out, int64_t T, i
     r0 = r1;
   }
   const int64_t n_tiles = int64_t(tiles.size());
+  if (T == 1 && (d == 64 || d == 128) && keys.count[0] >= kSplitKeys && at::get_num_threads() > 1 &&
+      n_tiles * hk < 2 * at::get_num_threads()) {
+    attend_split(kern, q, out, hq, hk, d, kd, vd, hs, keys, scale, softcap);
+    return;
+  }
   const int64_t work = g * std::max<int64_t>(total / std::max<int64_t>(T, 1), 1) * d * 2 * T / std::max<int64_t>(n_tiles, 1);
   // Split over threads only from ~0.5 M multiply-adds per chunk: below that a thread hand-off costs more than
   // it saves, and much more when the cores are oversubscribed.
@@ -959,6 +1112,8 @@ void register_fused(py::module_& m) {
         "Store each sequence's new k, v in its page, then single-query GQA attention over its pages in place");
   m.def("act_mul", &act_mul, py::arg("gate"), py::arg("up"), py::arg("act"), py::arg("isa") = "auto",
         "act(gate) * up for act in silu, gelu, gelu_tanh, relu; written over gate when gate is contiguous");
+  m.def("split_attention_rows", [] { return split_rows.load(); },
+        "Decode rows whose attention the threads shared by key ranges and column halves (one long-context row)");
   m.def("fused_isa", &fused_isa, py::arg("isa") = "auto",
         "The fused-op table an isa request runs: 'scalar', 'avx2' or 'avx512'");
 }
