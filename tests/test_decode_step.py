@@ -182,8 +182,8 @@ def test_float16_store_gives_the_bits_of_its_values_in_float32(ext, monkeypatch,
         ext.paged_attention(q, ks16, vs16.float(), table, seqs, pos, ps, scale, window, softcap)
 
 
-@pytest.mark.parametrize("d,hq,hk,n,window,softcap", [(64, 9, 3, 1203, 0, 0.0), (128, 8, 2, 700, 0, 30.0),
-                                                      (64, 9, 3, 2000, 777, 0.0)])
+@pytest.mark.parametrize("d,hq,hk,n,window,softcap", [(64, 9, 3, 1203, 0, 0.0), (128, 8, 2, 1100, 0, 30.0),
+                                                      (64, 9, 3, 2000, 1030, 0.0)])
 def test_a_long_rows_attention_shared_by_the_threads_keeps_its_bits(ext, monkeypatch, d, hq, hk, n, window, softcap):
     """One decode row over a long context, with fewer tiles than twice the threads: the threads share its scores
     (key ranges), softmax (lanes) and output (column halves). On every ISA table, float32 and float16 stores, the
@@ -272,9 +272,9 @@ def spy_step(model) -> list:
     return ran
 
 
-def decode_logits(model, prompts, steps: int, page_size: int = 4) -> torch.Tensor:
+def decode_logits(model, prompts, steps: int, page_size: int = 4, num_pages: int = 48) -> torch.Tensor:
     """Prefill the prompts together, then decode `steps` given tokens for each: logits [steps, sequences, vocab]."""
-    cache = PagedCache(model, num_pages=48, page_size=page_size)
+    cache = PagedCache(model, num_pages=num_pages, page_size=page_size)
     tables = [cache.open(p, len(p) + steps) for p in prompts]
     # interleave the pages of the sequences: grow them a page at a time, in turn
     for t, p in zip(tables, prompts):
@@ -370,6 +370,27 @@ def test_decode_step_on_smollm2(smollm_dir, ext):
     model._step = False
     want = decode_logits(model, prompts, steps=4, page_size=16)
     assert torch.equal(got, want)
+
+
+def test_decode_step_shares_a_long_rows_attention_on_smollm2(smollm_dir, ext):
+    """One sequence past 1,024 positions on 2 threads: inside the one-call step (a thread team) each layer's
+    attention row is shared by the threads, and the logits are the module path's bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = exl.load_model(smollm_dir, progress=False)
+        prompt = torch.randint(0, 49152, (1100,), generator=g(8)).tolist()
+        ran = spy_step(model)
+        before = ext.split_attention_rows()
+        got = decode_logits(model, [prompt], steps=2, page_size=16, num_pages=80)
+        assert ran[1:] == [True] * 2
+        assert ext.split_attention_rows() - before == 2 * model.config.num_layers
+        del model.decode_step
+        model._step = False
+        want = decode_logits(model, [prompt], steps=2, page_size=16, num_pages=80)
+        assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("kind", ["default", "yarn", "llama3"])

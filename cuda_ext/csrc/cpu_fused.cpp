@@ -734,7 +734,7 @@ struct KeyLists {
 // threads: 2 + 1). So the threads share each tile's work instead, in three passes: the scores by ranges of
 // kSplitBlock keys, the lanes' softmax, the output by column halves; with attend_tile's own pieces (tile_scores,
 // lane_softmax, weigh_row_lanes), so a row's result is bit for bit what one thread gives.
-constexpr int64_t kSplitKeys = 512, kSplitBlock = 256;
+constexpr int64_t kSplitKeys = 1024, kSplitBlock = 256;
 std::atomic<int64_t> split_rows{0};  // rows attended this way (a test reads it)
 
 template <class E>
@@ -809,8 +809,8 @@ void attend_listed(const Kernels* kern, const float* q, float* out, int64_t T, i
     r0 = r1;
   }
   const int64_t n_tiles = int64_t(tiles.size());
-  if (T == 1 && (d == 64 || d == 128) && keys.count[0] >= kSplitKeys && at::get_num_threads() > 1 &&
-      n_tiles * hk < 2 * at::get_num_threads()) {
+  const int64_t threads = exl::cpu::parallel_threads();
+  if (T == 1 && (d == 64 || d == 128) && keys.count[0] >= kSplitKeys && threads > 1 && n_tiles * hk < 2 * threads) {
     attend_split(kern, q, out, hq, hk, d, kd, vd, hs, keys, scale, softcap);
     return;
   }

@@ -106,6 +106,11 @@ int64_t divup(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 bool in_team() { return tl_team != nullptr && !tl_in_chunk; }
 
+int64_t parallel_threads() {
+  if (tl_in_chunk) return 1;
+  return tl_team != nullptr ? tl_team->threads : at::get_num_threads();
+}
+
 int64_t team_regions() { return g_regions.load(); }
 
 // OpenMP 5.0; weak, so that a runtime without it (libgomp before GCC 9, whichever libgomp torch loaded) still

@@ -47,6 +47,10 @@ inline void run_team(const F& f) {
 // run single-threaded, so callers split them over parallel_for themselves.
 bool in_team();
 
+// The threads a parallel_for called here would split its work over: the team's inside run_team, 1 inside a
+// parallel_for chunk, else at::get_num_threads() (which reads 1 on a team thread: it is inside an OpenMP region).
+int64_t parallel_threads();
+
 // Parallel regions served by teams in this process (a test reads it).
 int64_t team_regions();
 
