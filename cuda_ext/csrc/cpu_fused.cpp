@@ -528,7 +528,7 @@ EXL_INLINE float lane_softmax(float* sh, int64_t m, float softcap) {
 }
 
 // out = Σ_j p_j v_j for the lanes of a one-row tile (their output rows follow each other at o), output columns
-// [c0·W, c1·W) only: G lanes per pass over the values, C = c1 - c0 vectors per row. Each output element is its own
+// [c0·W, (c0 + C)·W) only: G lanes per pass over the values, C vectors per row. Each output element is its own
 // chain in order of j, so any split of the columns gives the same bits.
 template <int64_t C, int W, class T>
 EXL_INLINE void weigh_row_lanes(const float* s, int64_t n, const float* inv, int64_t lanes, const T* values,
@@ -548,6 +548,15 @@ EXL_INLINE void weigh_row_lanes(const float* s, int64_t n, const float* inv, int
   }
 }
 
+// A tile's queries transposed, as tile_scores reads them: qf[i*W + l] is element i of lane l's query (lane l: row
+// l / nheads at q + (l / nheads) * rs, head l % nheads), 0 for the lanes past nrows * nheads.
+EXL_INLINE void transpose_queries(const float* q, int64_t rs, int64_t nrows, int64_t nheads, int64_t d, int64_t W,
+                                  float* qf) {
+  const int64_t lanes = nrows * nheads;
+  for (int64_t i = 0; i < d; ++i)
+    for (int64_t l = 0; l < W; ++l) qf[i * W + l] = l < lanes ? q[(l / nheads) * rs + (l % nheads) * d + i] : 0.f;
+}
+
 template <int D, int W, class T>
 EXL_INLINE void attend_tile(const float* q, int64_t rs, int64_t nrows, int64_t nheads, const T* keys,
                             const T* values, const int64_t* offs, const int64_t* counts, int64_t d_,
@@ -559,8 +568,7 @@ EXL_INLINE void attend_tile(const float* q, int64_t rs, int64_t nrows, int64_t n
   V qt_fixed[D > 0 ? D : 1];  // the lanes' queries, transposed: lane l of qt[i] is element i of lane l's query
   std::vector<float> qt_any(D > 0 ? 0 : d * W);
   float* qf = D > 0 ? reinterpret_cast<float*>(qt_fixed) : qt_any.data();
-  for (int64_t i = 0; i < d; ++i)
-    for (int64_t l = 0; l < W; ++l) qf[i * W + l] = l < lanes ? q[(l / nheads) * rs + (l % nheads) * d + i] : 0.f;
+  transpose_queries(q, rs, nrows, nheads, d, W, qf);
   tile_scores<D, W, T>(qf, lanes, keys, values, offs, 0, n, n, d, scale, s);
   float inv[W];
   for (int64_t l = 0; l < lanes; ++l) inv[l] = lane_softmax(s + l * n, counts[l / nheads], softcap);
@@ -724,81 +732,72 @@ struct KeyLists {
   std::vector<int64_t> offs, first, count;
 };
 
-// T query rows q [T, Hq, D] (contiguous), each over its own listed keys, into out [T, Hq, D]: kv head h's keys
-// and values (E: float, or uint16_t for fp16) start at kd + h * hs and vd + h * hs. Work items are tiles of one
-// kv head: consecutive rows that share their list's start (the rows of one sequence) times the head group's query
-// heads, up to the table's lanes. Tiles are taken from both ends in turn so that a causal prompt's short and long
-// rows share each thread's chunk evenly.
+// A tile of attend_listed: rows row .. row + nrows - 1 (one sequence) times query heads head .. of a kv head's group.
+struct Tile {
+  int64_t row, nrows, head;
+};
+
 // One decode row over a long context, when its tiles (one per kv head and group of query heads) are fewer than twice
 // the threads: a tile a thread would take the whole of would leave the others idle (SmolLM2's 3 kv heads on 2
 // threads: 2 + 1). So the threads share each tile's work instead, in three passes: the scores by ranges of
 // kSplitBlock keys, the lanes' softmax, the output by column halves; with attend_tile's own pieces (tile_scores,
-// lane_softmax, weigh_row_lanes), so a row's result is bit for bit what one thread gives.
+// lane_softmax, weigh_row_lanes), so a row's result is bit for bit what one thread gives. tiles: attend_listed's
+// (one row, so one per query-head group); item i is tile i / hk of kv head i % hk, as there.
 constexpr int64_t kSplitKeys = 1024, kSplitBlock = 256;
 std::atomic<int64_t> split_rows{0};  // rows attended this way (a test reads it)
 
 template <class E>
 void attend_split(const Kernels* kern, const float* q, float* out, int64_t hq, int64_t hk, int64_t d, const E* kd,
-                  const E* vd, int64_t hs, const KeyLists& keys, float scale, float softcap) {
-  const int64_t g = hq / hk, W = kern->lanes, n = keys.count[0];
+                  const E* vd, int64_t hs, const KeyLists& keys, const std::vector<Tile>& tiles, float scale,
+                  float softcap) {
+  const int64_t g = hq / hk, W = kern->lanes, n = keys.count[0], heads = std::min(g, W);
   const int64_t* offs = keys.offs.data() + keys.first[0];
-  struct Item {
-    int64_t h, head, lanes;  // kv head, first query head of the group, query heads (lanes)
-  };
-  std::vector<Item> items;
+  const int64_t ni = int64_t(tiles.size()) * hk, blocks = (n + kSplitBlock - 1) / kSplitBlock;
+  auto lanes_of = [&](int64_t i) { return std::min(heads, g - tiles[i / hk].head); };
+  auto first_head = [&](int64_t i) { return (i % hk) * g + tiles[i / hk].head; };  // of item i, in q and out
   std::vector<std::pair<int64_t, int64_t>> lanes;  // (item, lane)
-  int64_t most = 1;
-  for (int64_t h = 0; h < hk; ++h)
-    for (int64_t head = 0; head < g; head += W) {
-      const int64_t nl = std::min(W, g - head);
-      for (int64_t l = 0; l < nl; ++l) lanes.push_back({int64_t(items.size()), l});
-      items.push_back({h, head, nl});
-      most = std::max(most, nl);
-    }
-  const int64_t ni = int64_t(items.size()), blocks = (n + kSplitBlock - 1) / kSplitBlock;
+  for (int64_t i = 0; i < ni; ++i)
+    for (int64_t l = 0; l < lanes_of(i); ++l) lanes.push_back({i, l});
   split_rows.fetch_add(1, std::memory_order_relaxed);
   thread_local std::vector<float> qf, sc, inv;  // grown, never shrunk: no zeroing per call
   if (qf.size() < size_t(ni * d * W)) qf.resize(ni * d * W);
-  if (sc.size() < size_t(ni * most * n)) sc.resize(ni * most * n);
+  if (sc.size() < size_t(ni * heads * n)) sc.resize(ni * heads * n);
   if (inv.size() < size_t(ni * W)) inv.resize(ni * W);
-  for (int64_t i = 0; i < ni; ++i) {  // each tile's queries, transposed as attend_tile holds them
-    const float* qi = q + (items[i].h * g + items[i].head) * d;
-    float* f = qf.data() + i * d * W;
-    for (int64_t e = 0; e < d; ++e)
-      for (int64_t l = 0; l < W; ++l) f[e * W + l] = l < items[i].lanes ? qi[l * d + e] : 0.f;
-  }
+  for (int64_t i = 0; i < ni; ++i)
+    transpose_queries(q + first_head(i) * d, hq * d, 1, lanes_of(i), d, W, qf.data() + i * d * W);
   float *s = sc.data(), *qt = qf.data(), *iv = inv.data();  // (the workers' own thread_locals are other vectors)
   exl::cpu::parallel_for(0, ni * blocks, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
-      const Item& it = items[u / blocks];
-      const int64_t j0 = (u % blocks) * kSplitBlock;
-      kern->scores_for(kd)(qt + (u / blocks) * d * W, it.lanes, kd + it.h * hs, vd + it.h * hs, offs, j0,
-                           std::min(n, j0 + kSplitBlock), n, d, scale, s + (u / blocks) * most * n);
+      const int64_t i = u / blocks, h = i % hk, j0 = (u % blocks) * kSplitBlock;
+      kern->scores_for(kd)(qt + i * d * W, lanes_of(i), kd + h * hs, vd + h * hs, offs, j0,
+                           std::min(n, j0 + kSplitBlock), n, d, scale, s + i * heads * n);
     }
   });
   exl::cpu::parallel_for(0, int64_t(lanes.size()), 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const auto [i, l] = lanes[u];
-      iv[i * W + l] = kern->split_softmax(s + (i * most + l) * n, n, softcap);
+      iv[i * W + l] = kern->split_softmax(s + (i * heads + l) * n, n, softcap);
     }
   });
   exl::cpu::parallel_for(0, ni * 2, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
-      const Item& it = items[u / 2];
-      kern->weigh_for(kd)(s + (u / 2) * most * n, n, iv + (u / 2) * W, it.lanes, vd + it.h * hs, offs, d,
-                          u % 2, out + (it.h * g + it.head) * d);
+      const int64_t i = u / 2, h = i % hk;
+      kern->weigh_for(kd)(s + i * heads * n, n, iv + i * W, lanes_of(i), vd + h * hs, offs, d, u % 2,
+                          out + first_head(i) * d);
     }
   });
 }
 
+// T query rows q [T, Hq, D] (contiguous), each over its own listed keys, into out [T, Hq, D]: kv head h's keys
+// and values (E: float, or uint16_t for fp16) start at kd + h * hs and vd + h * hs. Work items are tiles of one
+// kv head: consecutive rows that share their list's start (the rows of one sequence) times the head group's query
+// heads, up to the table's lanes. Tiles are taken from both ends in turn so that a causal prompt's short and long
+// rows share each thread's chunk evenly.
 template <class E>
 void attend_listed(const Kernels* kern, const float* q, float* out, int64_t T, int64_t hq, int64_t hk, int64_t d,
                    const E* kd, const E* vd, int64_t hs, const KeyLists& keys, float scale, float softcap) {
   const int64_t g = hq / hk, W = kern->lanes;
   const int64_t heads = std::min(g, W), rows_per = std::max<int64_t>(1, W / g);
-  struct Tile {
-    int64_t row, nrows, head;  // head: the first query head within the group
-  };
   std::vector<Tile> tiles;
   int64_t total = 0;
   for (int64_t r0 = 0; r0 < T;) {
@@ -811,7 +810,7 @@ void attend_listed(const Kernels* kern, const float* q, float* out, int64_t T, i
   const int64_t n_tiles = int64_t(tiles.size());
   const int64_t threads = exl::cpu::parallel_threads();
   if (T == 1 && (d == 64 || d == 128) && keys.count[0] >= kSplitKeys && threads > 1 && n_tiles * hk < 2 * threads) {
-    attend_split(kern, q, out, hq, hk, d, kd, vd, hs, keys, scale, softcap);
+    attend_split(kern, q, out, hq, hk, d, kd, vd, hs, keys, tiles, scale, softcap);
     return;
   }
   const int64_t work = g * std::max<int64_t>(total / std::max<int64_t>(T, 1), 1) * d * 2 * T / std::max<int64_t>(n_tiles, 1);
