@@ -12,7 +12,9 @@ version), flags, CUDA architectures, ISA tables and the bytes of every source an
 environments never share or overwrite a build. A folder is used only when its stamp (written last,
 after a successful build) names the same key and the library's checksum: a partial or stale build
 is rebuilt, never loaded. A build failure raises ExtensionBuildError with the compiler's first error
-and what to do about it.
+and what to do about it. Every load marks its folder used; after a new build, the same extension's
+other builds that no environment has loaded for `PRUNE_DAYS` days, and all but the `PRUNE_KEEP` most
+recently used, are deleted (`prune_builds`), so editing or upgrading exl does not pile up builds.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 from exl.errors import ExlError
@@ -46,6 +49,9 @@ BASE_NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo")
 CUDA_ARCHS = ["7.5", "8.0", "8.6", "8.9", "9.0", "12.0"]
 KEY_VERSION = 1  # bump when the layout of a build folder or its stamp changes
 STAMP = "exl_build.json"
+PRUNE_DAYS = 30  # a build no environment has loaded for this long is deleted after the next new build
+PRUNE_KEEP = 6  # and of the rest, only this many most recently used builds of one extension are kept
+BUSY_SECONDS = 3600  # a build folder touched this recently may be in use or being built: never pruned
 
 
 class ExtensionBuildError(ExlError):
@@ -186,6 +192,35 @@ def stamp_matches(stamp: Path, key: dict, library: Path) -> bool:
         return False
 
 
+def mark_used(build_dir: Path) -> None:
+    """Record that this build was just loaded (its folder's mtime), for `prune_builds`."""
+    with contextlib.suppress(OSError):
+        os.utime(build_dir)
+
+
+def prune_builds(name: str, current: Path, now: float | None = None) -> list[Path]:
+    """Delete the cached builds of extension `name` other than `current` that were last used over
+    PRUNE_DAYS days ago or are not among the PRUNE_KEEP most recently used; never one used in the last
+    BUSY_SECONDS (another process may hold it). Returns the deleted folders."""
+    now = time.time() if now is None else now
+    pattern = re.compile(re.escape(name) + r"_[0-9a-f]{16}")
+    builds = []
+    for d in current.parent.iterdir():
+        if d != current and d.is_dir() and pattern.fullmatch(d.name):
+            with contextlib.suppress(OSError):
+                builds.append((d.stat().st_mtime, d))
+    builds.sort(reverse=True)  # most recently used first
+    removed = []
+    for rank, (used, d) in enumerate(builds, start=1):  # `current` is the most recent of all
+        if now - used < BUSY_SECONDS or (rank < PRUNE_KEEP and now - used < PRUNE_DAYS * 86400):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            d.with_name(d.name + ".lock").unlink()
+        removed.append(d)
+    return removed
+
+
 @contextlib.contextmanager
 def _locked(path: Path):
     """An exclusive lock between processes (released by the OS if the holder dies)."""
@@ -284,6 +319,7 @@ def _jit(name: str, sources: list, cuda: bool, verbose: bool = False, extra_cfla
     build_dir = cache_root() / f"{name}_{key_digest(key)}"
     library, stamp = build_dir / f"{name}.so", build_dir / STAMP
     if stamp_matches(stamp, key, library):
+        mark_used(build_dir)
         return _import_so(name, library)
     what = "CUDA" if cuda else "CPU"
     problem = _missing_tool(cuda)
@@ -299,7 +335,8 @@ def _jit(name: str, sources: list, cuda: bool, verbose: bool = False, extra_cfla
               flush=True)
         module = _build(name, sources, cuda, build_dir, cflags, ldflags, cuda_cflags, verbose)
         write_stamp(stamp, key, library)
-        return module
+    prune_builds(name, build_dir)
+    return module
 
 
 def _build(name, sources, cuda, build_dir, cflags, ldflags, cuda_cflags, verbose):

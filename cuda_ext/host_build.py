@@ -15,7 +15,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from cuda_ext.build import CSRC, ExtensionBuildError, cache_root
+from cuda_ext.build import CSRC, ExtensionBuildError, cache_root, mark_used, prune_builds
 
 HOST = CSRC / "host"
 SOURCES = ["host/host_ops.cpp", "host/host_kernels.cpp", "host/host_toy.cpp"]
@@ -62,12 +62,13 @@ def load_cuda_host(verbose: bool = False):
             spec = importlib.util.spec_from_file_location(name, candidate)
             mod = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(mod)
+            mark_used(build_dir)
             return mod
     build_dir.mkdir(parents=True, exist_ok=True)
     print(f"exl: compiling the CUDA host harness into {build_dir} (once; about a minute)...", file=sys.stderr,
           flush=True)
     try:
-        return ext.load(
+        module = ext.load(
             name=name,
             sources=[str(CSRC / s) for s in SOURCES],
             extra_cflags=fl,
@@ -78,3 +79,5 @@ def load_cuda_host(verbose: bool = False):
         )
     except Exception as e:
         raise ExtensionBuildError(f"building the CUDA host harness failed: {e}") from e
+    prune_builds(name, build_dir)
+    return module

@@ -146,6 +146,43 @@ def test_a_build_is_stamped_and_reused(tmp_path):
     assert "compiling" not in again.stderr  # loaded from the stamped folder
 
 
+def test_stale_builds_are_pruned_and_recent_ones_kept(tmp_path):
+    day, now = 86400.0, 1.8e9
+    current = tmp_path / "exl_cpu_0000000000000000"
+    ages = {  # folder -> days since an environment last loaded it
+        "exl_cpu_1111111111111111": 0.01,  # used minutes ago: maybe being built or loaded elsewhere
+        "exl_cpu_2222222222222222": 1, "exl_cpu_3333333333333333": 2, "exl_cpu_4444444444444444": 3,
+        "exl_cpu_5555555555555555": 4, "exl_cpu_6666666666666666": 5,  # 6th most recent of the others
+        "exl_cpu_7777777777777777": 40,  # unused for over PRUNE_DAYS
+        "exl_cuda_8888888888888888": 400, "exl_cpu_host_9999999999999999": 400, "exl_cpu_notahash": 400,
+    }
+    for d in [current, *map(tmp_path.joinpath, ages)]:
+        (d / "lib").mkdir(parents=True)
+    (tmp_path / "exl_cpu_7777777777777777.lock").touch()
+    for name, age in ages.items():
+        os.utime(tmp_path / name, (now - age * day, now - age * day))
+    removed = build.prune_builds("exl_cpu", current, now=now)
+    assert build.PRUNE_KEEP == 6 and build.PRUNE_DAYS == 30
+    assert sorted(d.name for d in removed) == ["exl_cpu_6666666666666666", "exl_cpu_7777777777777777"]
+    left = sorted(d.name for d in tmp_path.iterdir())
+    assert "exl_cpu_7777777777777777.lock" not in left and current.name in left
+    assert {"exl_cpu_1111111111111111", "exl_cpu_5555555555555555", "exl_cuda_8888888888888888",
+            "exl_cpu_host_9999999999999999", "exl_cpu_notahash"} <= set(left)  # other extensions, other names
+
+
+def test_loading_marks_a_build_used_and_a_new_build_prunes_stale_ones(tmp_path):
+    assert tiny_build(tmp_path).returncode == 0
+    d = tiny_dir(tmp_path)
+    long_ago = 1e9  # 2001
+    os.utime(d, (long_ago, long_ago))
+    assert tiny_build(tmp_path).returncode == 0  # loaded, not built: marked used now
+    assert d.stat().st_mtime > long_ago + 86400
+    os.utime(d, (long_ago, long_ago))
+    res = tiny_build(tmp_path, answer=43)  # another source: a new build, which prunes the stale one
+    assert res.returncode == 0 and "compiling" in res.stderr and "answer 43" in res.stdout
+    assert tiny_dir(tmp_path) != d and not d.exists()
+
+
 @pytest.mark.parametrize("damage", ["no stamp (killed mid-build)", "truncated library", "stamp of another key"])
 def test_a_partial_or_stale_build_is_rebuilt_not_loaded(tmp_path, damage):
     assert tiny_build(tmp_path).returncode == 0
