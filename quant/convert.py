@@ -369,7 +369,7 @@ def _write_output(job: Job, wd: WorkDir, src: SourceModel, measurement: dict, pl
             "input": str(src.path), "output": str(out), "files": files, "target_bpw": job.bits,
             "measured_bpw": measured_bpw, "head_bpw": head_bpw, "head": head["head"],
             "predicted_kl": plan["predicted_kl"], "eval": head["eval"], "layers": stats,
-            "calibration": calib_info}
+            "calibration": calib_info, "options": job.options.to_dict()}
 
 
 def _measurement_path(m) -> Path:

@@ -175,7 +175,7 @@ def _quantize(name, w, h, setting, transform, options, seed, bias, fisher, token
     if isinstance(setting, TrellisSetting):
         p = prepare(w, h, TRELLIS_TRANSFORM, seed, name)
         u, _ = factor(p.h, options)
-        r = TR.ldlq(p.w, u, [setting.meta()])[0]
+        r = TR.ldlq(p.w, u, [setting.meta()], passes=options.trellis_passes)[0]
         t = trellis_tensors(p, r, setting, bias)
         wq = unrotate(p, r.q.to(w.device))
         bits = trellis_storage_bits(n, k, setting.bits, setting.code)

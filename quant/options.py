@@ -27,6 +27,7 @@ class QuantOptions:
     codes: str = "auto"  # auto: per matrix, scalar or trellis codes (docs/format.md §7); scalar | trellis only
     trellis_bits: tuple[int, ...] | None = None  # trellis widths measured; None: 1-6 with codes=auto, 1-8 with trellis
     state_bits: int = 12  # trellis state bits L (at least bits + 1)
+    trellis_passes: int = 1  # refinement passes of a trellis matrix's final encoding (quant.trellis.refine)
 
     def __post_init__(self):
         if self.method not in ("gptq", "rtn"):
@@ -39,6 +40,8 @@ class QuantOptions:
             raise ValueError(f"codes must be one of {CODES}, not {self.codes!r}")
         if not 8 <= self.state_bits <= 16:
             raise ValueError(f"trellis state bits must be in 8..16, not {self.state_bits}")
+        if not 0 <= self.trellis_passes <= 8:
+            raise ValueError(f"trellis refinement passes must be in 0..8, not {self.trellis_passes}")
         if self.trellis_bits is not None:
             if not self.trellis_bits or not all(1 <= b <= 8 for b in self.trellis_bits):
                 raise ValueError(f"trellis bits must be in 1..8, not {self.trellis_bits}")

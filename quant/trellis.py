@@ -137,7 +137,8 @@ def _strip(t: torch.Tensor, layout: int) -> torch.Tensor:
 
 @torch.no_grad()
 def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int = WINDOW,
-         scales: list[torch.Tensor] | None = None, refit: bool = True, want_words: bool = True) -> list[Result]:
+         scales: list[torch.Tensor] | None = None, refit: bool = True, want_words: bool = True,
+         passes: int = 0) -> list[Result]:
     """Quantize W [N, K] (rotated; N, K multiples of 16) once per meta, with error feedback through u
     (upper Cholesky factor of H⁻¹, [K, K]; the identity gives plain per-tile Viterbi).
 
@@ -146,7 +147,8 @@ def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int
     LDLQ). Within a strip the columns are weighted by diag((U_jjᵀ U_jj)⁻¹), each row by its scale².
     scales: the rows' starting scales per meta (default `row_scales`). refit: afterwards, refit each row's
     scale to its chosen codes in the Hessian metric (`refit_scales`). want_words: pack the walks into bit
-    streams; without, Result.words is None (pricing needs only the errors).
+    streams; without, Result.words is None (pricing needs only the errors). passes: refinement passes
+    after the first (`refine`).
     """
     n, k = w.shape
     if n % TILE or k % TILE:
@@ -183,12 +185,58 @@ def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int
             loss[i] += (e * e).sum(1)
             if b1 < k:
                 works[i][:, b1:].addmm_(e, u[b0:b1, b1:], alpha=-1.0)
+    if passes:
+        loss = refine(w.float(), u, qs, words, scales, metas, passes, window)
     out = []
     for wd, s, q, le in zip(words, scales, qs, loss):
         if refit:
             s, q, le = refit_scales(w.float(), q, s, u, le)
         out.append(Result(wd, s.half(), q, le))
     return out
+
+
+@torch.no_grad()
+def refine(w: torch.Tensor, u: torch.Tensor, qs: list[torch.Tensor], words: list[torch.Tensor | None],
+           scales: list[torch.Tensor], metas: list[TrellisMeta], passes: int, window: int = WINDOW
+           ) -> list[torch.Tensor]:
+    """Lower the error of block LDLQ's result in place by Gauss-Seidel passes over the strips.
+
+    LDLQ encodes strip j knowing only the strips before it. With every other strip fixed, the error
+    tr(ΔW H ΔWᵀ) is a quadratic in strip j's values Q_j, least at T_j = W_j + ΔW_¬j H_¬j,j H_jj⁻¹ (ΔW = W − Q,
+    H = (UᵀU)⁻¹ the damped Hessian that U factors): a pass encodes every strip again against that target
+    (columns weighted by diag H_jj) and keeps a tile's new walk only where it lowers that quadratic, so the
+    error never grows. Returns each meta's rows of the exact error ‖ΔW U⁻¹‖², for `refit_scales`."""
+    n, k = w.shape
+    dev = w.device
+    uinv = torch.linalg.solve_triangular(u, torch.eye(k, device=dev), upper=True)
+    h = uinv @ uinv.T
+    vals = [codebook(m).to(dev) for m in metas]
+    for _ in range(passes):
+        for j in range(k // TILE):
+            b0, b1 = j * TILE, (j + 1) * TILE
+            hjj = h[b0:b1, b0:b1]
+            xs, cs, gs = [], [], []
+            for q, s, m in zip(qs, scales, metas):
+                d = w - q
+                g = d @ h[:, b0:b1] - d[:, b0:b1] @ hjj  # ΔW_¬j H_¬j,j
+                gs.append(g)
+                target = w[:, b0:b1] + torch.linalg.solve(hjj, g.T).T
+                xs.append(_tiles(target / s[:, None], m.version).cpu())
+                cs.append(_tiles((s * s)[:, None] * hjj.diagonal()[None, :], m.version).cpu())
+            out = encode_tiles(xs, cs, metas, window)
+            for i, (m, (states, _)) in enumerate(zip(metas, out)):
+                new = _strip(vals[i][states.long().to(dev)], m.version) * scales[i][:, None]
+                old = qs[i][:, b0:b1]
+
+                def quadratic(qj):  # per row, up to a constant: Δ_j H_jj Δ_jᵀ + 2 Δ_j (ΔW_¬j H_¬j,j)ᵀ
+                    dj = w[:, b0:b1] - qj
+                    return ((dj @ hjj) * dj).sum(1) + 2 * (dj * gs[i]).sum(1)
+
+                better = (quadratic(new) - quadratic(old)).view(n // TILE, TILE).sum(1) < 0  # per tile
+                qs[i][:, b0:b1] = torch.where(better.repeat_interleave(TILE)[:, None], new, old)
+                if words[i] is not None:
+                    words[i][:, j] = torch.where(better.cpu()[:, None], F.trellis_pack(states, m), words[i][:, j])
+    return [((torch.linalg.solve_triangular(u, w - q, upper=True, left=False)) ** 2).sum(1) for q in qs]
 
 
 @torch.no_grad()
