@@ -472,6 +472,23 @@ def test_cli_help():
             assert f" {flag}" in out, (cmd, flag)
 
 
+def test_cli_trellis_passes_reach_the_options_and_bad_ones_are_refused(tmp_path):
+    import argparse
+
+    from exl.commands.convert import add_arguments, job_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["-i", "in", "-o", "out", "-b", "3.0"]
+    assert job_from_args(p.parse_args(base)).options.trellis_passes == 1  # the default
+    assert job_from_args(p.parse_args(base + ["--trellis-passes", "0"])).options.trellis_passes == 0
+    for bad in ("-1", "9", "two", "1.5"):
+        res = subprocess.run([sys.executable, "convert.py", *base, "--trellis-passes", bad], cwd=ROOT,
+                             capture_output=True, text=True)
+        assert res.returncode == 2 and "--trellis-passes" in res.stderr and "0 to 8" in res.stderr, bad
+    assert not (ROOT / "out").exists()
+
+
 def test_real_model_end_to_end(smollm_dir, tmp_path):
     """SmolLM2-135M with little calibration: the whole pipeline on the real architecture and sizes."""
     out = tmp_path / "smol"
