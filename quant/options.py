@@ -27,7 +27,7 @@ class QuantOptions:
     codes: str = "auto"  # auto: per matrix, scalar or trellis codes (docs/format.md §7); scalar | trellis only
     trellis_bits: tuple[int, ...] | None = None  # trellis widths measured; None: 1-6 with codes=auto, 1-8 with trellis
     state_bits: int = 12  # trellis state bits L (at least bits + 1)
-    trellis_passes: int = 1  # refinement passes of a trellis matrix's final encoding (quant.trellis.refine)
+    trellis_passes: int = 0  # refinement passes of a trellis matrix's final encoding (quant.trellis.refine)
 
     def __post_init__(self):
         if self.method not in ("gptq", "rtn"):

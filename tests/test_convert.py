@@ -480,8 +480,8 @@ def test_cli_trellis_passes_reach_the_options_and_bad_ones_are_refused(tmp_path)
     p = argparse.ArgumentParser()
     add_arguments(p)
     base = ["-i", "in", "-o", "out", "-b", "3.0"]
-    assert job_from_args(p.parse_args(base)).options.trellis_passes == 1  # the default
-    assert job_from_args(p.parse_args(base + ["--trellis-passes", "0"])).options.trellis_passes == 0
+    assert job_from_args(p.parse_args(base)).options.trellis_passes == 0  # the default
+    assert job_from_args(p.parse_args(base + ["--trellis-passes", "1"])).options.trellis_passes == 1
     for bad in ("-1", "9", "two", "1.5"):
         res = subprocess.run([sys.executable, "convert.py", *base, "--trellis-passes", bad], cwd=ROOT,
                              capture_output=True, text=True)

@@ -215,6 +215,9 @@ def test_measure_prices_trellis_candidates_and_the_prediction_holds():
     torch.testing.assert_close(F.dequantize(q.tensors), q.weight, rtol=1e-4, atol=1e-5)
     x = torch.randn(5, 256)
     torch.testing.assert_close(F.reference_forward(x, q.tensors), x @ q.weight.T, rtol=1e-3, atol=1e-4)
+    refined = quantize("layer", w, h, s, Transform(), QuantOptions(trellis_passes=1), seed=0, fisher=f, tokens=2048)
+    assert refined.rel < q.rel and refined.bits == q.bits  # --trellis-passes 1: same format, less error
+    torch.testing.assert_close(F.dequantize(refined.tensors), refined.weight, rtol=1e-4, atol=1e-5)
     only = measure("layer", w, h, 2048, f, QuantOptions(measure_rows=48, codes="trellis", trellis_bits=(2, 3)), seed=0)
     assert [c["setting"] for c in only["candidates"]] == ["trellis2/L12", "trellis3/L12"]
     scalar = measure("layer", w, h, 2048, f, QuantOptions(measure_rows=48, codes="scalar"), seed=0)

@@ -35,9 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codes", choices=("auto", "scalar", "trellis"), default="auto",
                    help="weight codes: auto chooses per matrix between scalar and trellis codes by predicted quality at "
                         "the bit budget; scalar or trellis restricts to one kind (docs/format.md §1, §7)")
-    p.add_argument("--trellis-passes", type=passes, default=1, metavar="N",
-                   help="refinement passes after block LDLQ for each trellis-coded matrix (each lowers its error by "
-                        "~1-5%% and costs one more encoding; 0 skips them)")
+    p.add_argument("--trellis-passes", type=passes, default=0, metavar="N",
+                   help="refinement passes after block LDLQ for each trellis-coded matrix (one lowers its error by "
+                        "~1-5%% and costs one more encoding; no KLD gain measured on SmolLM2, docs/quantization.md)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or final table")
 
@@ -46,7 +46,7 @@ def job_from_args(args):
     from quant.convert import Job
     from quant.options import QuantOptions
 
-    options = QuantOptions(codes=getattr(args, "codes", "auto"), trellis_passes=getattr(args, "trellis_passes", 1))
+    options = QuantOptions(codes=getattr(args, "codes", "auto"), trellis_passes=getattr(args, "trellis_passes", 0))
     return Job(options=options, input=args.input, output=args.output, bits=args.bits, head_bits=args.head_bits, work=args.work,
                calibration=args.calibration, column=args.calibration_column, rows=args.calibration_rows,
                length=args.calibration_length, measurement=args.measurement, seed=args.seed,
