@@ -381,8 +381,9 @@ def _trellis_passes_note(results: dict) -> str:
     passes = sorted({r.get("trellis_passes", 0) for r in results["rows"] if r["kind"] == "trellis"})
     if not passes:
         return ""
-    return (" Trellis matrices encoded by block LDLQ and " + "/".join(map(str, passes))
-            + " refinement pass(es) (`--trellis-passes`).")
+    if passes == [0]:
+        return " Trellis matrices encoded by block LDLQ alone (no `--trellis-passes`)."
+    return " Trellis matrices: block LDLQ, then " + " / ".join(map(str, passes)) + " refinement pass(es) (`--trellis-passes`)."
 
 
 # earlier trellis conversions kept beside the default ones: folder suffix -> what they used
