@@ -10,6 +10,7 @@ evaluated like bench/quality.py (12 windows of 512 tokens, KLD against the float
 An experiment for issue 13 (docs/quantization.md, "Found later on 2026-12-07"), not a runtime path: (b) needs
 format §7 with `sv` optional before a converter can write it. Hessians come from the float model (not the
 converter's sequential ones), the Fisher from the converter's own pass (4 calibration rows); no scale refit.
+The weighted walks are `quant.trellis.ldlq(..., row_weights=...)`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import quality as Q  # noqa: E402
-from exl.format import TILE  # noqa: E402
 from exl.threads import fix_threads  # noqa: E402
 from quant import trellis as TR  # noqa: E402
 from quant.candidates import trellis_candidates  # noqa: E402
@@ -37,25 +37,6 @@ from quant.transform import Transform, prepare  # noqa: E402
 
 VARIANTS = {"su+sv (format today)": (Transform(True, True, False), False),
             "su, Fisher-weighted walks": (Transform(True, False, False), True)}
-
-
-def ldlq_rows(w: torch.Tensor, u: torch.Tensor, meta, row_w: torch.Tensor) -> torch.Tensor:
-    """quant.trellis.ldlq's loop (no refit) with each row's Viterbi cost multiplied by row_w."""
-    n, k = w.shape
-    work, s = w.float().clone(), TR.row_scales(w, meta)
-    q, vals = torch.empty_like(work), TR.codebook(meta)
-    for j in range(k // TILE):
-        b0, b1 = j * TILE, (j + 1) * TILE
-        uinv = torch.linalg.solve_triangular(u[b0:b1, b0:b1], torch.eye(TILE), upper=True)
-        colw = (uinv @ uinv.T).diagonal()
-        x = TR._tiles(work[:, b0:b1] / s[:, None], meta.version)
-        c = TR._tiles((row_w * s * s)[:, None] * colw[None, :], meta.version)
-        (states, _), = TR.encode_tiles([x], [c], [meta])
-        q[:, b0:b1] = TR._strip(vals[states.long()], meta.version) * s[:, None]
-        e = (work[:, b0:b1] - q[:, b0:b1]) @ uinv
-        if b1 < k:
-            work[:, b1:].addmm_(e, u[b0:b1, b1:], alpha=-1.0)
-    return q
 
 
 def hessians(rot: Path, tok, rows: int = 32, length: int = 512) -> dict[str, torch.Tensor]:
@@ -125,7 +106,7 @@ def main() -> None:
                     p = prepare(w, h.double(), t, seed, name)
                     u, _ = factor(p.h, QuantOptions())
                     rw = row_weights(fw[name].float(), t) if weighted else torch.ones(w.shape[0])
-                    q = ldlq_rows(p.w, u, meta, rw / rw.mean())
+                    q = TR.ldlq(p.w, u, [meta], refit=False, want_words=False, row_weights=rw / rw.mean())[0].q
                     out[name + ".weight"] = unrotate(p, q).to(sd[name + ".weight"].dtype).contiguous()
                 folder = tmp / "model"
                 shutil.rmtree(folder, ignore_errors=True)

@@ -138,7 +138,7 @@ def _strip(t: torch.Tensor, layout: int) -> torch.Tensor:
 @torch.no_grad()
 def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int = WINDOW,
          scales: list[torch.Tensor] | None = None, refit: bool = True, want_words: bool = True,
-         passes: int = 0) -> list[Result]:
+         passes: int = 0, row_weights: torch.Tensor | None = None) -> list[Result]:
     """Quantize W [N, K] (rotated; N, K multiples of 16) once per meta, with error feedback through u
     (upper Cholesky factor of H⁻¹, [K, K]; the identity gives plain per-tile Viterbi).
 
@@ -148,13 +148,15 @@ def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int
     scales: the rows' starting scales per meta (default `row_scales`). refit: afterwards, refit each row's
     scale to its chosen codes in the Hessian metric (`refit_scales`). want_words: pack the walks into bit
     streams; without, Result.words is None (pricing needs only the errors). passes: refinement passes
-    after the first (`refine`).
+    after the first (`refine`). row_weights: [N] each row's weight in the walks' cost (e.g. its Fisher
+    sensitivity, so a walk puts its error on the rows that matter least); the reported errors stay unweighted.
     """
     n, k = w.shape
     if n % TILE or k % TILE:
         raise ValueError(f"a trellis-coded matrix needs N and K multiples of {TILE}, got {n}x{k}")
     u = u.to(w.device, torch.float32)
     dev = w.device
+    rw = torch.ones(n, device=dev) if row_weights is None else row_weights.to(dev, torch.float32)
     works = [w.float().clone() for _ in metas]
     if scales is None:
         scales = [row_scales(w, m) for m in metas]
@@ -174,7 +176,7 @@ def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int
             s = scales[i]
             lay = metas[i].version
             xs.append(_tiles(works[i][:, b0:b1] / s[:, None], lay).cpu())
-            cs.append(_tiles((s * s)[:, None] * colw[None, :], lay).cpu())
+            cs.append(_tiles((rw * s * s)[:, None] * colw[None, :], lay).cpu())
         out = encode_tiles(xs, cs, metas, window)
         for i, (m, (states, _)) in enumerate(zip(metas, out)):
             if want_words:
@@ -186,7 +188,7 @@ def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int
             if b1 < k:
                 works[i][:, b1:].addmm_(e, u[b0:b1, b1:], alpha=-1.0)
     if passes:
-        loss = refine(w.float(), u, qs, words, scales, metas, passes, window)
+        loss = refine(w.float(), u, qs, words, scales, metas, passes, window, rw)
     out = []
     for wd, s, q, le in zip(words, scales, qs, loss):
         if refit:
@@ -197,17 +199,19 @@ def ldlq(w: torch.Tensor, u: torch.Tensor, metas: list[TrellisMeta], window: int
 
 @torch.no_grad()
 def refine(w: torch.Tensor, u: torch.Tensor, qs: list[torch.Tensor], words: list[torch.Tensor | None],
-           scales: list[torch.Tensor], metas: list[TrellisMeta], passes: int, window: int = WINDOW
-           ) -> list[torch.Tensor]:
+           scales: list[torch.Tensor], metas: list[TrellisMeta], passes: int, window: int = WINDOW,
+           row_weights: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Lower the error of block LDLQ's result in place by Gauss-Seidel passes over the strips.
 
     LDLQ encodes strip j knowing only the strips before it. With every other strip fixed, the error
     tr(ΔW H ΔWᵀ) is a quadratic in strip j's values Q_j, least at T_j = W_j + ΔW_¬j H_¬j,j H_jj⁻¹ (ΔW = W − Q,
     H = (UᵀU)⁻¹ the damped Hessian that U factors): a pass encodes every strip again against that target
     (columns weighted by diag H_jj) and keeps a tile's new walk only where it lowers that quadratic, so the
-    error never grows. Returns each meta's rows of the exact error ‖ΔW U⁻¹‖², for `refit_scales`."""
+    error never grows (with row_weights, the rows' weighted sum). Returns each meta's rows of the exact
+    error ‖ΔW U⁻¹‖², for `refit_scales`."""
     n, k = w.shape
     dev = w.device
+    rw = torch.ones(n, device=dev) if row_weights is None else row_weights.to(dev, torch.float32)
     uinv = torch.linalg.solve_triangular(u, torch.eye(k, device=dev), upper=True)
     h = uinv @ uinv.T
     vals = [codebook(m).to(dev) for m in metas]
@@ -222,7 +226,7 @@ def refine(w: torch.Tensor, u: torch.Tensor, qs: list[torch.Tensor], words: list
                 gs.append(g)
                 target = w[:, b0:b1] + torch.linalg.solve(hjj, g.T).T
                 xs.append(_tiles(target / s[:, None], m.version).cpu())
-                cs.append(_tiles((s * s)[:, None] * hjj.diagonal()[None, :], m.version).cpu())
+                cs.append(_tiles((rw * s * s)[:, None] * hjj.diagonal()[None, :], m.version).cpu())
             out = encode_tiles(xs, cs, metas, window)
             for i, (m, (states, _)) in enumerate(zip(metas, out)):
                 new = _strip(vals[i][states.long().to(dev)], m.version) * scales[i][:, None]
@@ -232,7 +236,7 @@ def refine(w: torch.Tensor, u: torch.Tensor, qs: list[torch.Tensor], words: list
                     dj = w[:, b0:b1] - qj
                     return ((dj @ hjj) * dj).sum(1) + 2 * (dj * gs[i]).sum(1)
 
-                better = (quadratic(new) - quadratic(old)).view(n // TILE, TILE).sum(1) < 0  # per tile
+                better = ((quadratic(new) - quadratic(old)) * rw).view(n // TILE, TILE).sum(1) < 0  # per tile
                 qs[i][:, b0:b1] = torch.where(better.repeat_interleave(TILE)[:, None], new, old)
                 if words[i] is not None:
                     words[i][:, j] = torch.where(better.cpu()[:, None], F.trellis_pack(states, m), words[i][:, j])

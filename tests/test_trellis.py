@@ -178,6 +178,34 @@ def test_refinement_passes_lower_the_error_tile_by_tile_and_report_it_exactly(co
     assert torch.equal(refit.words, runs[1].words) and float(tile_rows(refit.q).sum()) <= float(errs[1].sum())
 
 
+@pytest.mark.parametrize("passes", [0, 1])
+def test_row_weights_move_the_error_onto_the_light_rows(passes):
+    """ldlq(row_weights=...): the walks' cost weighs each row (a tile's 16 rows share one walk), so heavy rows get
+    less error and the weighted error falls; the reported row errors stay the plain ones, exactly."""
+    from quant.gptq import inverse_cholesky
+
+    n, k = 64, 64
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(6))
+    h = _hessian(k, seed=3)
+    u, damp = inverse_cholesky(h, 0.01)
+    hd = h + damp * h.diagonal().mean() * torch.eye(k, dtype=torch.float64)
+    rw = torch.ones(n)
+    rw[::4] = 20.0  # one row in four matters 20x more
+    meta = TrellisMeta(2, 12, code=3)
+    plain, = T.ldlq(w, u, [meta], refit=False, passes=passes)
+    weighted, = T.ldlq(w, u, [meta], refit=False, passes=passes, row_weights=rw)
+
+    def rows(q):
+        d = (q - w).double()
+        return ((d @ hd) * d).sum(1)
+
+    e0, e1 = rows(plain.q), rows(weighted.q)
+    assert float((e1 * rw).sum()) < 0.85 * float((e0 * rw).sum())  # the weighted error, the one that counts
+    assert float(e1[::4].sum()) < 0.7 * float(e0[::4].sum())  # heavy rows: less error
+    torch.testing.assert_close(weighted.row_err.double(), e1, rtol=1e-3, atol=1e-6)
+    assert torch.equal(T.ldlq(w, u, [meta], refit=False, passes=passes, row_weights=torch.ones(n))[0].q, plain.q)
+
+
 def test_ldlq_several_settings_at_once_equal_one_at_a_time():
     w = torch.randn(16, 32, generator=torch.Generator().manual_seed(2))
     u = torch.eye(32)
