@@ -9,6 +9,7 @@ from quant.candidates import TRELLIS_BITS, parse_setting
 
 TRANSFORMS = ("auto", "none", "perm", "su+perm", "su+sv+perm", "su", "su+sv")
 CODES = ("auto", "scalar", "trellis")
+MAX_TRELLIS_PASSES = 8  # refinement passes a conversion may ask for (convert.py --trellis-passes)
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,8 @@ class QuantOptions:
             raise ValueError(f"codes must be one of {CODES}, not {self.codes!r}")
         if not 8 <= self.state_bits <= 16:
             raise ValueError(f"trellis state bits must be in 8..16, not {self.state_bits}")
-        if not 0 <= self.trellis_passes <= 8:
-            raise ValueError(f"trellis refinement passes must be in 0..8, not {self.trellis_passes}")
+        if not 0 <= self.trellis_passes <= MAX_TRELLIS_PASSES:
+            raise ValueError(f"trellis refinement passes must be in 0..{MAX_TRELLIS_PASSES}, not {self.trellis_passes}")
         if self.trellis_bits is not None:
             if not self.trellis_bits or not all(1 <= b <= 8 for b in self.trellis_bits):
                 raise ValueError(f"trellis bits must be in 1..8, not {self.trellis_bits}")

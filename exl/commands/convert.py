@@ -6,9 +6,11 @@ import argparse
 
 
 def passes(text: str) -> int:
-    """--trellis-passes: a whole number 0..8."""
-    if not text.strip().isdigit() or int(text) > 8:
-        raise argparse.ArgumentTypeError(f"takes a whole number of passes from 0 to 8, not {text!r}")
+    """--trellis-passes: a whole number 0..MAX_TRELLIS_PASSES (quant.options, which checks the same bound)."""
+    from quant.options import MAX_TRELLIS_PASSES
+
+    if not text.strip().isdigit() or int(text) > MAX_TRELLIS_PASSES:
+        raise argparse.ArgumentTypeError(f"takes a whole number of passes from 0 to {MAX_TRELLIS_PASSES}, not {text!r}")
     return int(text)
 
 
