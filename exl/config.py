@@ -116,6 +116,7 @@ class ModelConfig:
                     return raw[k]
             raise ModelLoadError(f"{source}: missing required key {key!r}")
 
+        _check_quantization(raw.get("quantization_config"), source)
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
         layers = int(need("num_hidden_layers"))
@@ -165,6 +166,19 @@ class ModelConfig:
     def rope_for(self, layer: int) -> RopeConfig:
         kind = self.layer_types[layer]
         return self.rope.get(kind) or self.rope["full_attention"]
+
+
+def _check_quantization(qc, source: str) -> None:
+    """Refuse an exl folder written in a format version this exl cannot read (docs/format.md)."""
+    from exl.format import READABLE_VERSIONS
+
+    if not isinstance(qc, dict) or qc.get("quant_method") != "exl":
+        return
+    version = qc.get("version")
+    if version not in READABLE_VERSIONS:
+        raise ModelLoadError(f"{source}: quantization_config.version is {version!r}; this exl reads exl format "
+                             f"versions {', '.join(map(str, READABLE_VERSIONS))}. A newer exl wrote this folder: "
+                             "update exl (pip install -U exl), or convert the model again with this one.")
 
 
 _ARCH_BY_TYPE = {

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 FORMAT_VERSION = 1  # a folder of scalar-coded layers only
-TRELLIS_FORMAT_VERSION = 2  # a folder holding any trellis-coded layer (§7)
+TRELLIS_FORMAT_VERSION = 2  # a folder holding any trellis-coded layer (§7), each with both rotations
+ONE_SIDED_TRELLIS_VERSION = 3  # a folder with a trellis layer that has no output rotation (no `sv`, §7.4)
+READABLE_VERSIONS = (FORMAT_VERSION, TRELLIS_FORMAT_VERSION, ONE_SIDED_TRELLIS_VERSION)
 BLOCK = 32  # codes per packed block
 QUANT_SUFFIXES = ("qweight", "qscale", "qmeta", "perm", "su", "sv")
 
@@ -473,8 +475,9 @@ def trellis_decode(t: dict[str, torch.Tensor], dtype=torch.float32) -> torch.Ten
 def _dequantize_trellis(t: dict[str, torch.Tensor], dtype) -> torch.Tensor:
     q = trellis_decode(t, torch.float64)
     n, k = q.shape
-    w = fwht(q) * unpack_signs(t["su"], k, torch.float64)  # Ŵ = H_N D_v W D_u H_K, both sides always
-    w = unpack_signs(t["sv"], n, torch.float64)[:, None] * fwht(w.T).T
+    w = fwht(q) * unpack_signs(t["su"], k, torch.float64)  # Ŵ = H_N D_v W D_u H_K, D_v H_N only with sv
+    if "sv" in t:
+        w = unpack_signs(t["sv"], n, torch.float64)[:, None] * fwht(w.T).T
     return w.to(dtype)
 
 
@@ -482,7 +485,9 @@ def _reference_forward_trellis(x: torch.Tensor, t: dict[str, torch.Tensor]) -> t
     q = trellis_decode(t, torch.float32)
     n, k = q.shape
     u = fwht(x.to(torch.float32) * unpack_signs(t["su"], k))
-    z = fwht(u @ q.T) * unpack_signs(t["sv"], n)
+    z = u @ q.T
+    if "sv" in t:
+        z = fwht(z) * unpack_signs(t["sv"], n)
     if "bias" in t:
         z = z + t["bias"].to(torch.float32)
     return z.to(x.dtype)

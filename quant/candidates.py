@@ -161,10 +161,10 @@ def parse_setting(name: str) -> Setting | TrellisSetting:
     return TrellisSetting.parse(name) if name.startswith(TRELLIS_PREFIX) else Setting.parse(name)
 
 
-def trellis_storage_bits(n: int, k: int, bits: int, code: int = F.CODE_LCG_BYTESUM) -> int:
-    """Bits stored for an [n, k] trellis layer: trellis + tscale + tmeta + tcode + su + sv (docs/format.md §7.6)."""
+def trellis_storage_bits(n: int, k: int, bits: int, code: int = F.CODE_LCG_BYTESUM, sv: bool = False) -> int:
+    """Bits stored for an [n, k] trellis layer: trellis + tscale + tmeta + tcode + su (+ sv) (docs/format.md §7.6)."""
     tables = 8 * 2 * F.two_table_size(code) if code in F.TWO_TABLE_CODES else 0
-    return bits * n * k + 16 * n + 32 * 6 + tables + 8 * math.ceil(k / 8) + 8 * math.ceil(n / 8)
+    return bits * n * k + 16 * n + 32 * 6 + tables + 8 * math.ceil(k / 8) + (8 * math.ceil(n / 8) if sv else 0)
 
 
 TRELLIS_BITS = (1, 2, 3, 4, 5, 6, 7, 8)

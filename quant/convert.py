@@ -258,9 +258,14 @@ def convert(job: Job, resume: bool = False, progress: bool = True) -> dict:
     wd.save_json("strategy.json", plan)
 
     # quantization
-    t0 = time.time()
     seed = measurement.get("seed", job.seed)
-    passes.quantize_pass(src, wd, ids, eval_rows, plan["choices"], options, seed, None, progress)
+    fisher = None
+    if options.sensitivity == "fisher" and any(map(_weighted_walks, plan["choices"].values())):
+        t0 = time.time()  # the walks weight rows by the Fisher: this run's (cached in the work folder), or made now
+        fisher = passes.fisher_pass(src, wd, ids[:eval_rows], seed, progress)
+        lap("fisher", t0)
+    t0 = time.time()
+    passes.quantize_pass(src, wd, ids, eval_rows, plan["choices"], options, seed, fisher, progress)
     if not wd.exists("head.json"):
         wd.save_json("head.json", passes.quantize_head(src, wd, job.head_bits, options, seed))
     head = wd.load_json("head.json")
@@ -319,7 +324,7 @@ def _write_output(job: Job, wd: WorkDir, src: SourceModel, measurement: dict, pl
     head_quant = head["head"] is not None
     if "model.embed_tokens.weight" in other:
         items.append(source_item("model.embed_tokens.weight"))
-    bits, trellis_layers = 0, 0
+    bits, trellis_layers, one_sided = 0, 0, 0
     for i in range(n):
         for name in layer_names[i]:
             if owner(name) in quantized and name.rsplit(".", 1)[1] in ("weight", "bias"):
@@ -335,6 +340,7 @@ def _write_output(job: Job, wd: WorkDir, src: SourceModel, measurement: dict, pl
                            if f"{name}.{s}" in block}
                 bits += F.storage_bits(tensors)
                 trellis_layers += F.is_trellis(tensors)
+                one_sided += F.is_trellis(tensors) and "sv" not in tensors
     for name in other:
         if name == "model.embed_tokens.weight" or (head_quant and name == "lm_head.weight"):
             continue
@@ -363,13 +369,19 @@ def _write_output(job: Job, wd: WorkDir, src: SourceModel, measurement: dict, pl
     for s in stats:
         s["predicted_kl"] = predicted.get(s["name"], 0.0)
     if trellis_layers:
-        qc["version"] = F.TRELLIS_FORMAT_VERSION  # readers of version 1 must refuse trellis layers (§7.6)
+        # readers of version 1 must refuse trellis layers, those of version 2 layers without sv (§7.4, §7.6)
+        qc["version"] = F.ONE_SIDED_TRELLIS_VERSION if one_sided else F.TRELLIS_FORMAT_VERSION
         qc["trellis_layers"] = trellis_layers
     return {"quantization_config": qc, "untie": head_quant,
             "input": str(src.path), "output": str(out), "files": files, "target_bpw": job.bits,
             "measured_bpw": measured_bpw, "head_bpw": head_bpw, "head": head["head"],
             "predicted_kl": plan["predicted_kl"], "eval": head["eval"], "layers": stats,
             "calibration": calib_info, "options": job.options.to_dict()}
+
+
+def _weighted_walks(choice: dict) -> bool:
+    """Whether a plan's choice is a trellis setting whose walks weight rows by their Fisher (no output rotation)."""
+    return choice["setting"].startswith(TRELLIS_PREFIX) and "sv" not in choice["transform"].split("+")
 
 
 def _measurement_path(m) -> Path:

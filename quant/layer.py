@@ -9,6 +9,10 @@ distribution by about
 
 GPTQ returns (ΔW H ΔWᵀ)_nn for each row in its own coordinates; with an output rotation the rows are
 mixed inside Hadamard blocks, so f is averaged over each block there.
+
+A trellis walk covers the 16 rows of a tile, so its Viterbi trades error between rows: trellis matrices
+are rotated on the input side only (format version 3, docs/format.md §7.4) and each row's cost in the
+walk is weighted by f_n, which puts the error on the rows the model is least sensitive to.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ from quant.transform import Transform, prepare
 log = logging.getLogger("exl.quant")
 
 REFERENCE = Setting(3, 64)  # the setting that decides each matrix's transform under transform=auto
-TRELLIS_TRANSFORM = Transform(True, True, False)  # trellis layers: both sides rotated, no act-order (§7.4)
+TRELLIS_TRANSFORM = Transform(True, False, False)  # trellis layers: input side rotated, Fisher-weighted walks (§7.4)
+# what a trellis choice may carry: the default, or both sides (measurements made before format version 3)
+TRELLIS_TRANSFORMS = (TRELLIS_TRANSFORM, Transform(True, True, False))
+WALK_WEIGHT_FLOOR = 1e-3  # a row's walk weight is at least this x the matrix's mean Fisher (never ignored)
 AUTO_TRANSFORMS = (Transform(True, False, True), Transform(True, True, True), Transform(False, False, True),
                    Transform(False, True, True))
 
@@ -42,6 +49,15 @@ def row_weights(f: torch.Tensor, t: Transform) -> torch.Tensor:
         b = hadamard_block(f.numel())
         f = f.view(-1, b).mean(1, keepdim=True).expand(-1, b).reshape(-1)
     return f
+
+
+def walk_weights(f: torch.Tensor | None, t: Transform) -> torch.Tensor | None:
+    """Each row's weight in a trellis walk's cost: its Fisher weight in the quantizer's coordinates, floored
+    (WALK_WEIGHT_FLOOR) so that no row's error is free; None without a Fisher."""
+    if f is None:
+        return None
+    f = row_weights(f.float(), t)
+    return f.clamp_min(WALK_WEIGHT_FLOOR * float(f.mean()) + 1e-30)
 
 
 def factor(h: torch.Tensor, options: QuantOptions) -> tuple[torch.Tensor, float]:
@@ -126,8 +142,9 @@ def _tile_rows(n: int, rows: int, device) -> torch.Tensor:
 
 
 def _measure_trellis(name, w, h, tokens, fisher, options, seed, fixed=None) -> list[dict]:
-    """Trellis candidates (each with its transform su+sv), priced like the scalar ones: block LDLQ on whole
-    tiles of evenly spaced rows, all settings in one batched run, errors scaled to all rows."""
+    """Trellis candidates (each with its transform, TRELLIS_TRANSFORM), priced like the scalar ones: block LDLQ
+    on whole tiles of evenly spaced rows with Fisher-weighted walks, all settings in one batched run, errors
+    scaled to all rows."""
     n, k = w.shape
     settings = trellis_candidates(n, k, options.trellis_widths, options.state_bits)
     if fixed is not None:
@@ -138,7 +155,8 @@ def _measure_trellis(name, w, h, tokens, fisher, options, seed, fixed=None) -> l
     p = prepare(w, h, t, seed, name)
     u, _ = factor(p.h, options)
     rows = _tile_rows(n, options.measure_rows, w.device)
-    results = TR.ldlq(p.w[rows], u, [s.meta() for s in settings], want_words=False)
+    results = TR.ldlq(p.w[rows], u, [s.meta() for s in settings], want_words=False,
+                      row_weights=walk_weights(fisher, t)[rows])
     fw = row_weights(fisher, t)
     wf, frows = fw[rows], fw.sum() / fw[rows].sum().clamp_min(1e-30)
     wr = p.w[rows].to(p.h.dtype)
@@ -146,7 +164,7 @@ def _measure_trellis(name, w, h, tokens, fisher, options, seed, fixed=None) -> l
     out = []
     for s, r in zip(settings, results):
         kl = 0.5 * float((r.row_err.to(wf.device) * wf).sum() * frows) / max(tokens, 1)
-        out.append({"setting": s.name, "bits": trellis_storage_bits(n, k, s.bits, s.code), "kl": kl,
+        out.append({"setting": s.name, "bits": trellis_storage_bits(n, k, s.bits, s.code, t.sv), "kl": kl,
                     "rel": float(r.row_err.sum() / base.sum().clamp_min(1e-30)), "transform": t.name})
     return out
 
@@ -165,7 +183,8 @@ def quantize(name: str, w: torch.Tensor, h: torch.Tensor, setting: Setting | Tre
              options: QuantOptions, seed: int, bias: torch.Tensor | None = None,
              fisher: torch.Tensor | None = None, tokens: int = 1) -> Quantized:
     """Quantize W [N, K] under one setting: the format's tensors and the matrix they stand for. A trellis
-    setting always uses its own transform (su+sv, §7.4), whatever `transform` says."""
+    setting takes `transform` if it is one of TRELLIS_TRANSFORMS (what its measurement priced), else
+    TRELLIS_TRANSFORM; with `fisher`, its walks weight each row by it (`walk_weights`)."""
     with one_thread(w.device):
         return _quantize(name, w, h, setting, transform, options, seed, bias, fisher, tokens)
 
@@ -173,12 +192,13 @@ def quantize(name: str, w: torch.Tensor, h: torch.Tensor, setting: Setting | Tre
 def _quantize(name, w, h, setting, transform, options, seed, bias, fisher, tokens) -> Quantized:
     n, k = w.shape
     if isinstance(setting, TrellisSetting):
-        p = prepare(w, h, TRELLIS_TRANSFORM, seed, name)
+        tt = transform if transform in TRELLIS_TRANSFORMS else TRELLIS_TRANSFORM
+        p = prepare(w, h, tt, seed, name)
         u, _ = factor(p.h, options)
-        r = TR.ldlq(p.w, u, [setting.meta()], passes=options.trellis_passes)[0]
+        r = TR.ldlq(p.w, u, [setting.meta()], passes=options.trellis_passes, row_weights=walk_weights(fisher, tt))[0]
         t = trellis_tensors(p, r, setting, bias)
         wq = unrotate(p, r.q.to(w.device))
-        bits = trellis_storage_bits(n, k, setting.bits, setting.code)
+        bits = trellis_storage_bits(n, k, setting.bits, setting.code, tt.sv)
     else:
         p = prepare(w, h, transform, seed, name)
         u, _ = factor(p.h, options)
@@ -198,9 +218,12 @@ def _quantize(name, w, h, setting, transform, options, seed, bias, fisher, token
 
 
 def trellis_tensors(p, r: TR.Result, setting: TrellisSetting, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """trellis/tscale/tmeta/su/sv (+ bias) of a trellis-coded layer (docs/format.md §7.1), on the CPU."""
+    """trellis/tscale/tmeta/su (+ sv if rotated on the output side, + bias) of a trellis-coded layer
+    (docs/format.md §7.1), on the CPU."""
     t = {"trellis": r.words.cpu().contiguous(), "tscale": r.scales.cpu().to(torch.float16).contiguous(),
-         "tmeta": setting.meta().to_tensor(), "su": F.pack_signs(p.su.cpu()), "sv": F.pack_signs(p.sv.cpu())}
+         "tmeta": setting.meta().to_tensor(), "su": F.pack_signs(p.su.cpu())}
+    if p.sv is not None:
+        t["sv"] = F.pack_signs(p.sv.cpu())
     if setting.code in F.TWO_TABLE_CODES:
         t["tcode"] = TR.tables(setting.meta())
     if bias is not None:

@@ -168,17 +168,18 @@ def trellis_converted(tiny, tmp_path_factory):
 def test_trellis_conversion_loads_accounts_bits_and_beats_scalar(tiny, trellis_converted, tmp_path):
     out, report = trellis_converted
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc["version"] == F.TRELLIS_FORMAT_VERSION == 2 and qc["trellis_layers"] == 14
+    assert qc["version"] == F.ONE_SIDED_TRELLIS_VERSION == 3 and qc["trellis_layers"] == 14
     bits, weights, _ = quant_layer_bits(out)
     assert weights == 2 * (64 * 64 * 2 + 32 * 64 * 2 + 96 * 64 * 3)
     assert bits / weights == pytest.approx(qc["measured_bpw"], abs=1e-4)
     assert 2.9 <= qc["measured_bpw"] <= 3.0  # 14 matrices, whole bits each: a coarse knapsack
-    assert all(s["setting"].startswith("trellis") and s["transform"] == "su+sv" for s in report["layers"])
+    assert all(s["setting"].startswith("trellis") and s["transform"] == "su" for s in report["layers"])
     from exl.loader import TensorLoader
 
     loader = TensorLoader(out)
     prefix = "model.layers.1.mlp.down_proj"
     t = {s: loader.get(f"{prefix}.{s}") for s in F.TRELLIS_SUFFIXES if f"{prefix}.{s}" in loader}
+    assert "sv" not in t  # format version 3: input rotation only, Fisher-weighted walks
     assert F.is_trellis(t) and F.bits_per_weight(t) == pytest.approx(
         next(s["bpw"] for s in report["layers"] if s["name"] == prefix))
     model = exl.load_model(out, progress=False)
@@ -247,6 +248,21 @@ def test_auto_codes_choose_the_better_kind_per_matrix(tiny, tmp_path):
         assert {s["setting"].startswith("trellis") for s in rep["layers"]} == {trellis}
         assert rep["predicted_kl"] == pytest.approx(optimize(only(trellis), 3.5)["predicted_kl"])
         assert "measure" not in rep["timings"]
+        assert ("fisher" in rep["timings"]) == trellis  # Fisher-weighted walks: a -m conversion makes the Fisher
+    # a measurement made before format version 3 (trellis candidates with both rotations) converts as it priced
+    old = json.loads((tmp_path / "a" / "measurement.json").read_text())
+    for r in old["layers"]:
+        for c in r["candidates"]:
+            if c["setting"].startswith("trellis"):
+                c["transform"] = "su+sv"
+    (tmp_path / "old-trellis.json").write_text(json.dumps(old))
+    rep = convert(tiny_job(tiny, tmp_path / "v2", bits=3.5, options=replace(options, codes="trellis", trellis_bits=None),
+                           measurement=str(tmp_path / "old-trellis.json")), progress=False)
+    assert {s["transform"] for s in rep["layers"]} == {"su+sv"} and "fisher" not in rep["timings"]
+    assert json.loads((tmp_path / "v2" / "config.json").read_text())["quantization_config"]["version"] == 2
+    from exl.loader import TensorLoader
+
+    assert "model.layers.0.mlp.up_proj.sv" in TensorLoader(tmp_path / "v2")
     # but not with trellis widths it did not measure, nor other options
     for other in (replace(options, codes="trellis", trellis_bits=(2, 3, 6)), replace(options, codes="scalar", damp=0.02)):
         with pytest.raises(ConvertError, match="other quantizer options"):

@@ -20,7 +20,7 @@ def host():
 
 
 def layer(host, t):
-    return host.TrellisLinearCUDA(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], t.get("bias"),
+    return host.TrellisLinearCUDA(t["trellis"], t["tscale"], t["tmeta"], t["su"], t.get("sv"), t.get("bias"),
                                   tcode=t.get("tcode"))
 
 
@@ -43,6 +43,20 @@ def test_forward_gemv_and_gemm_paths(host, bits):
         got = lay.forward(x, path)
         assert got.dtype == torch.float16 and got.shape == (m, 64)
         assert_rel_close(got, trellis_reference(x, t), tol, f"{path} m={m}")
+
+
+@pytest.mark.parametrize("code", [1, 3])
+def test_one_sided_layers_have_no_output_rotation(host, code):
+    """Format version 3: a trellis layer without `sv` is y = z + bias on the GEMV and the GEMM."""
+    t = random_trellis(64, 96, 3, 12, seed=31, code=code)
+    del t["sv"]
+    lay = layer(host, t)
+    g = torch.Generator().manual_seed(31)
+    for m, path, tol in ((1, "gemv", 3e-3), (5, "gemv", 3e-3), (12, "gemm", 1e-2)):
+        x = torch.randn(m, 96, generator=g).half()
+        assert_rel_close(lay.forward(x, path), trellis_reference(x, t), tol, f"no sv, code {code}, {path} m={m}")
+    with pytest.raises(RuntimeError, match="sv must be uint8"):
+        host.TrellisLinearCUDA(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["su"][:1], tcode=t.get("tcode"))
 
 
 def test_bad_tensors_are_named(host):

@@ -45,6 +45,17 @@ def test_unknown_architecture(tiny):
         exl.load_model(tiny)
 
 
+def test_exl_format_version_this_exl_cannot_read(tiny):
+    cfg = json.loads((tiny / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "exl", "version": 9}
+    (tiny / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"quantization_config\.version is 9; this exl reads exl format versions 1, 2, 3"):
+        exl.load_model(tiny)
+    cfg["quantization_config"] = {"quant_method": "gptq", "version": 9}  # another tool's: not ours to judge
+    (tiny / "config.json").write_text(json.dumps(cfg))
+    exl.load_model(tiny)
+
+
 def test_no_weights(tiny):
     (tiny / "model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):

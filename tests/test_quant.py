@@ -13,7 +13,7 @@ from exl.modules.quant_linear import QuantLinear
 from quant.candidates import Setting, TrellisSetting, candidates, storage_bits, trellis_candidates, trellis_storage_bits
 from quant.capture import hessian
 from quant.gptq import HessianError, gptq, inverse_cholesky, search_scales
-from quant.layer import measure, quantize
+from quant.layer import TRELLIS_TRANSFORM, measure, quantize, walk_weights
 from quant.optimize import TargetError, optimize
 from quant.options import QuantOptions
 from quant.transform import Transform, prepare
@@ -203,7 +203,7 @@ def test_measure_prices_trellis_candidates_and_the_prediction_holds():
     rec = measure("layer", w, h, 2048, f, QuantOptions(measure_rows=48, trellis_bits=(2, 3, 4)), seed=0)
     by = {c["setting"]: c for c in rec["candidates"]}
     assert by["trellis2/L12"]["kl"] > by["trellis3/L12"]["kl"] > by["trellis4/L12"]["kl"]
-    assert all(by[f"trellis{b}/L12"]["transform"] == "su+sv" for b in (2, 3, 4))
+    assert all(by[f"trellis{b}/L12"]["transform"] == "su" for b in (2, 3, 4))  # format v3: no output rotation
     for b in (2, 3, 4):  # fewer bits and less error than scalar codes of the same width in groups of 128
         assert by[f"trellis{b}/L12"]["bits"] < by[f"{b}b/g128"]["bits"]
         assert by[f"trellis{b}/L12"]["kl"] < by[f"{b}b/g128"]["kl"]
@@ -211,6 +211,7 @@ def test_measure_prices_trellis_candidates_and_the_prediction_holds():
     q = quantize("layer", w, h, s, Transform(), QuantOptions(), seed=0, fisher=f, tokens=2048)
     assert abs(q.kl / by[s.name]["kl"] - 1) < 0.25
     assert q.bits == by[s.name]["bits"] == F.storage_bits(q.tensors) == trellis_storage_bits(96, 256, 3)
+    assert "sv" not in q.tensors and "su" in q.tensors
     # the stored tensors are a §7 layer that stands for the matrix the quantizer returned
     torch.testing.assert_close(F.dequantize(q.tensors), q.weight, rtol=1e-4, atol=1e-5)
     x = torch.randn(5, 256)
@@ -222,6 +223,33 @@ def test_measure_prices_trellis_candidates_and_the_prediction_holds():
     assert [c["setting"] for c in only["candidates"]] == ["trellis2/L12", "trellis3/L12"]
     scalar = measure("layer", w, h, 2048, f, QuantOptions(measure_rows=48, codes="scalar"), seed=0)
     assert not any(c["setting"].startswith("trellis") for c in scalar["candidates"])
+
+
+def test_trellis_walks_put_the_error_on_rows_the_fisher_says_matter_least():
+    """Format version 3: trellis matrices are rotated on the input side only, and each row's cost in a walk is
+    weighted by its Fisher, so the Fisher-weighted error (the predicted ΔKL) falls against unweighted walks;
+    a choice measured with both rotations (before version 3) still gets them, sv stored and counted."""
+    w, h, _ = problem()
+    g = torch.Generator().manual_seed(5)
+    f = torch.exp(3 * torch.randn(96, generator=g))  # sensitivities spread over orders of magnitude, as in q/k
+    s, o = TrellisSetting(3, 12), QuantOptions()
+    plain = quantize("layer", w, h, s, TRELLIS_TRANSFORM, o, seed=0)
+    weighted = quantize("layer", w, h, s, TRELLIS_TRANSFORM, o, seed=0, fisher=f, tokens=2048)
+
+    def fisher_error(q):  # Σ_n f_n (ΔW H ΔWᵀ)_nn
+        d = (q.weight - w).double()
+        return float((((d @ h.double()) * d).sum(1) * f.double()).sum())
+
+    assert fisher_error(weighted) < 0.9 * fisher_error(plain)  # the Fisher-weighted error falls
+    assert weighted.kl == pytest.approx(0.5 * fisher_error(weighted) / 2048, rel=1e-3)
+    assert weighted.rel > plain.rel  # paid for with more unweighted error
+    torch.testing.assert_close(F.dequantize(weighted.tensors), weighted.weight, rtol=1e-4, atol=1e-5)
+    both = quantize("layer", w, h, s, Transform(True, True, False), o, seed=0, fisher=f, tokens=2048)
+    assert "sv" in both.tensors and both.bits == F.storage_bits(both.tensors) == trellis_storage_bits(96, 256, 3, sv=True)
+    torch.testing.assert_close(F.dequantize(both.tensors), both.weight, rtol=1e-4, atol=1e-5)
+    # weights floor at WALK_WEIGHT_FLOOR x the mean: a row of zero Fisher is still encoded
+    ww = walk_weights(torch.tensor([0.0, 1.0, 3.0]), TRELLIS_TRANSFORM)
+    assert ww[0] > 0 and torch.equal(ww[1:], torch.tensor([1.0, 3.0]))
 
 
 # ------------------------------------------------------------------------------------------------ optimizer

@@ -39,8 +39,9 @@ def random_tables(g, code=F.CODE_TWO_TABLE):
     return t.to(torch.int8)
 
 
-def random_trellis(n, k, bits, state_bits=16, *, bias=True, seed=0, mul=None, add=None, code=F.CODE_LCG_BYTESUM):
-    """A random layer; codes 2 and 3 force L = 12 (their only state size)."""
+def random_trellis(n, k, bits, state_bits=16, *, bias=True, seed=0, mul=None, add=None, code=F.CODE_LCG_BYTESUM,
+                   sv=True):
+    """A random layer; codes 2 and 3 force L = 12 (their only state size); sv=False: no output rotation (§7.4)."""
     g = torch.Generator().manual_seed(seed)
     kw = {} if mul is None else {"mul": mul, "add": add}
     if code in F.TWO_TABLE_CODES:
@@ -50,6 +51,8 @@ def random_trellis(n, k, bits, state_bits=16, *, bias=True, seed=0, mul=None, ad
     t = {"trellis": words.to(torch.int32), "tscale": (torch.rand(n, generator=g) * 1e-3 + 1e-4).half(),
          "tmeta": meta.to_tensor(), "su": F.pack_signs(torch.where(torch.rand(k, generator=g) < 0.5, -1, 1)),
          "sv": F.pack_signs(torch.where(torch.rand(n, generator=g) < 0.5, -1, 1))}
+    if not sv:
+        del t["sv"]
     if code in F.TWO_TABLE_CODES:
         t["tcode"] = random_tables(g, code)
     if bias:
@@ -58,7 +61,7 @@ def random_trellis(n, k, bits, state_bits=16, *, bias=True, seed=0, mul=None, ad
 
 
 def kernel(ext, t, isa="auto"):
-    return ext.TrellisLinearCPU(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], t.get("bias"), isa,
+    return ext.TrellisLinearCPU(t["trellis"], t["tscale"], t["tmeta"], t["su"], t.get("sv"), t.get("bias"), isa,
                                 tcode=t.get("tcode"))
 
 
@@ -74,9 +77,11 @@ def exact_and_scale(x, t):
     n, k = q.shape
     u = F.fwht(x.double() * F.unpack_signs(t["su"], k, torch.float64))
     z, c = u @ q.T, u.abs() @ q.abs().T
+    bias = t.get("bias", torch.zeros(n)).double()
+    if "sv" not in t:
+        return z + bias, c
     h = F.hadamard_matrix(n).abs()
-    y = F.fwht(z) * F.unpack_signs(t["sv"], n, torch.float64) + t.get("bias", torch.zeros(n)).double()
-    return y, c @ h.T
+    return F.fwht(z) * F.unpack_signs(t["sv"], n, torch.float64) + bias, c @ h.T
 
 
 def check(y, x, t):
@@ -121,6 +126,25 @@ def test_forward_matches_reference_for_rows_and_prefill(ext, code, bits):
         check(k.forward(x, "auto", 32, False), x, t)  # 40 >= 32 rows: tile decode + GEMM
         check(k.forward(x[:7], "gemm", 32, False), x[:7], t)
         check(k.forward(x[:20], "fp32", 32, False), x[:20], t)  # more than 16 rows through the GEMV
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_one_sided_layers_match_reference_on_every_path(ext, code):
+    """Format version 3: no `sv`, so y = z + bias (no output rotation) on the GEMVs, the GEMM and every table."""
+    t = random_trellis(64, 96, 3, 12, seed=21, code=code, sv=False)
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(40, 96, generator=g)
+    for isa in isas():
+        k = kernel(ext, t, isa)
+        for rows in (1, 5, 16):
+            check(k.forward(x[:rows], "fp32", 32, False), x[:rows], t)
+        check(k.forward(x, "gemm", 32, False), x, t)
+        if k.has_int8:
+            ref = F.reference_forward(x[:4], t)
+            assert torch.allclose(k.forward(x[:4], "int8", 32, False), ref, rtol=0.05, atol=0.05 * float(ref.abs().max()))
+    # the output rotation does change the result: the same layer with sv differs
+    both = random_trellis(64, 96, 3, 12, seed=21, code=code)
+    assert not torch.allclose(kernel(ext, both).forward(x[:2], "fp32", 32, False), kernel(ext, t).forward(x[:2], "fp32", 32, False))
 
 
 @pytest.mark.parametrize("code", CODES)
@@ -214,9 +238,10 @@ def test_int8_gemv_is_within_its_bound_and_the_same_bits_on_every_table(ext, cod
                        kernel(ext, t).forward(x[:3], "int8" if kernel(ext, t).has_int8 else "fp32", 48, False))
 
 
+@pytest.mark.parametrize("sv", [True, False])
 @pytest.mark.parametrize("code", CODES)
-def test_module_forward_equals_reference(ext, code):
-    t = random_trellis(80, 112, 3, 12, seed=5, code=code)
+def test_module_forward_equals_reference(ext, code, sv):
+    t = random_trellis(80, 112, 3, 12, seed=5, code=code, sv=sv)
     m = TrellisLinear(t, exact=True)
     assert m.kernel() is not None and m.in_features == 112 and m.out_features == 80
     assert abs(m.bits_per_weight - F.bits_per_weight(t)) < 1e-12

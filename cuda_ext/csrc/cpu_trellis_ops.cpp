@@ -35,7 +35,7 @@ const char* kWho = "exl TrellisLinear";
 
 class TrellisLinearCPU : public LinearCPU {
  public:
-  TrellisLinearCPU(at::Tensor trellis, at::Tensor tscale, at::Tensor tmeta, at::Tensor su, at::Tensor sv,
+  TrellisLinearCPU(at::Tensor trellis, at::Tensor tscale, at::Tensor tmeta, at::Tensor su, c10::optional<at::Tensor> sv,
                    c10::optional<at::Tensor> bias, const std::string& isa, c10::optional<at::Tensor> tcode) {
     TORCH_CHECK(trellis.scalar_type() == at::kInt && trellis.dim() == 3, kWho,
                 ": trellis must be an int32 tensor [N/16, K/16, 8*bits], got ", trellis.scalar_type(), " ",
@@ -88,7 +88,10 @@ class TrellisLinearCPU : public LinearCPU {
                   " must be uint8 [", (n + 7) / 8, "], got ", s.scalar_type(), " ", s.sizes());
     };
     check_signs(su, K_, "su");
-    check_signs(sv, N_, "sv");
+    if (sv && sv->defined()) {  // optional from format version 3 (docs/format.md §7.4)
+      check_signs(*sv, N_, "sv");
+      sv_ = sv->contiguous();
+    }
     if (bias && bias->defined()) {
       TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N_, kWho, ": bias must be [", N_, "], got ", bias->sizes());
       bias_ = bias->to(at::kFloat).contiguous();
@@ -96,7 +99,6 @@ class TrellisLinearCPU : public LinearCPU {
     trellis_ = trellis.contiguous();
     tscale_ = tscale.contiguous();
     su_ = su.contiguous();
-    sv_ = sv.contiguous();
     set_isa(isa.empty() ? env_isa() : isa);
   }
 
@@ -193,8 +195,8 @@ class TrellisLinearCPU : public LinearCPU {
     } else {
       exl::cpu::parallel_for(0, tiles, grain, [&](int64_t i0, int64_t i1) { trellis_kernels_->gemv(L, up, M, yp, N_, i0, i1); });
     }
-    // 3. y = D_v (H z), 4. bias
-    rotate_rows(kernels_, yp, M, N_, sv_.data_ptr<uint8_t>(), false);
+    // 3. y = D_v (H z) (with sv), 4. bias
+    if (sv_.defined()) rotate_rows(kernels_, yp, M, N_, sv_.data_ptr<uint8_t>(), false);
     if (bias_.defined()) y.add_(bias_);
     return y.reshape(out_shape);
   }
@@ -243,7 +245,7 @@ class TrellisLinearCPU : public LinearCPU {
 void register_trellis(py::module_& m) {
   using exl::cpu::TrellisLinearCPU;
   py::class_<TrellisLinearCPU, exl::cpu::LinearCPU>(m, "TrellisLinearCPU")
-      .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>,
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                     const std::string&, c10::optional<at::Tensor>>(),
            py::arg("trellis"), py::arg("tscale"), py::arg("tmeta"), py::arg("su"), py::arg("sv"),
            py::arg("bias") = py::none(), py::arg("isa") = "", py::arg("tcode") = py::none())

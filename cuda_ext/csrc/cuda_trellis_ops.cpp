@@ -27,7 +27,7 @@ constexpr auto kTrellisDevice = c10::DeviceType::CUDA;
 class TrellisLinearCUDA {
  public:
   TrellisLinearCUDA(torch::Tensor trellis, torch::Tensor tscale, torch::Tensor tmeta, torch::Tensor su,
-                    torch::Tensor sv, c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> tcode) {
+                    c10::optional<torch::Tensor> sv, c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> tcode) {
     TORCH_CHECK(trellis.device().type() == kTrellisDevice, kWho, ": trellis must be a CUDA tensor, got one on ",
                 trellis.device());
     TORCH_CHECK(trellis.scalar_type() == torch::kInt32 && trellis.dim() == 3, kWho,
@@ -66,14 +66,16 @@ class TrellisLinearCUDA {
     dev_.K = trellis.size(1) * kTile;
     TORCH_CHECK(tscale.scalar_type() == torch::kHalf && tscale.numel() == dev_.N, kWho, ": tscale must be float16 [",
                 dev_.N, "]");
-    TORCH_CHECK(su.scalar_type() == torch::kUInt8 && su.numel() == (dev_.K + 7) / 8 && sv.scalar_type() == torch::kUInt8 &&
-                    sv.numel() == (dev_.N + 7) / 8,
-                kWho, ": su / sv must be uint8 [", (dev_.K + 7) / 8, "] / [", (dev_.N + 7) / 8, "]");
+    TORCH_CHECK(su.scalar_type() == torch::kUInt8 && su.numel() == (dev_.K + 7) / 8, kWho, ": su must be uint8 [",
+                (dev_.K + 7) / 8, "], got ", su.scalar_type(), " ", su.sizes());
+    const bool has_sv = sv && sv->defined();  // the output rotation: optional from format version 3 (§7.4)
+    TORCH_CHECK(!has_sv || (sv->scalar_type() == torch::kUInt8 && sv->numel() == (dev_.N + 7) / 8), kWho,
+                ": sv must be uint8 [", (dev_.N + 7) / 8, "], got ", sv->scalar_type(), " ", sv->sizes());
     const auto d = trellis.device();
     trellis_ = trellis.contiguous();
     tscale_ = tscale.to(d).contiguous();
     su_ = su.to(d).contiguous();
-    sv_ = sv.to(d).contiguous();
+    if (has_sv) sv_ = sv->to(d).contiguous();
     if (bias && bias->defined()) {
       TORCH_CHECK(bias->numel() == dev_.N, kWho, ": bias must be [", dev_.N, "]");
       bias_ = bias->to(d, torch::kFloat32).contiguous();
@@ -145,8 +147,9 @@ class TrellisLinearCUDA {
         z.narrow(1, n0, n1 - n0).copy_(at::mm(uh, w.narrow(0, 0, n1 - n0).t()));
       }
     }
-    // 3.+4. y = D_v (H z) + bias, to fp16
-    launch_hadamard(z.data_ptr(), false, y.data_ptr(), true, M, N, hadamard_block(N), sv_.data_ptr<uint8_t>(), false,
+    // 3.+4. y = D_v (H z) + bias (z + bias without sv: a Hadamard block of 1), to fp16
+    launch_hadamard(z.data_ptr(), false, y.data_ptr(), true, M, N, sv_.defined() ? hadamard_block(N) : 1,
+                    sv_.defined() ? sv_.data_ptr<uint8_t>() : nullptr, false,
                     bias_.defined() ? bias_.data_ptr<float>() : nullptr, nullptr, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return y.reshape(out_shape);
@@ -162,7 +165,7 @@ class TrellisLinearCUDA {
 // Called by bind() (cuda_ops.cpp).
 void register_trellis_cuda(pybind11::module_& m) {
   pybind11::class_<TrellisLinearCUDA>(m, "TrellisLinearCUDA")
-      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
            pybind11::arg("trellis"), pybind11::arg("tscale"), pybind11::arg("tmeta"), pybind11::arg("su"),
            pybind11::arg("sv"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("tcode") = pybind11::none())

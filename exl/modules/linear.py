@@ -67,8 +67,11 @@ def load_linear(loader: TensorLoader, prefix: str, in_features: int, out_feature
 
 def _check_quantized(loader, prefix, tensors, bias, dtype, in_features, out_features):
     """Shape and bias checks of a quantized layer's tensors (converts the bias to dtype in place)."""
-    missing = [k for k in ("trellis", "tscale", "tmeta", "su", "sv") if k not in tensors] if "trellis" in tensors else \
-        [k for k in ("qweight", "qscale", "qmeta") if k not in tensors]
+    from exl.modules.quant_linear import QuantLinear
+    from exl.modules.trellis_linear import TrellisLinear
+
+    kind = TrellisLinear if "trellis" in tensors else QuantLinear
+    missing = [k for k in kind.REQUIRED if k not in tensors]
     if missing:
         raise ModelLoadError(f"{loader.path}: quantized layer {prefix!r} lacks tensors "
                              f"{[prefix + '.' + k for k in missing]}")

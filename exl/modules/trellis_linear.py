@@ -7,7 +7,7 @@ see KernelLinear) runs:
 - on the CPU, float32: the extension's TrellisLinearCPU: u = H (D_u x) with the scalar layers'
   rotation kernels, then a decode-and-dot GEMV that decodes each 16x16 tile once for up to 16 rows
   (fewer than `gemm_min_rows` rows; int8 activations unless `exact`), else tile decode into a
-  cache-sized block + BLAS GEMM, then y = D_v (H z) + bias. Each row's result is bit for bit the
+  cache-sized block + BLAS GEMM, then y = D_v (H z) + bias (z + bias without `sv`). Each row's result is bit for bit the
   same at any batch size below `gemm_min_rows` (the GEMV's per-row arithmetic does not depend on
   the other rows);
 - on a GPU, float16: the CUDA extension's TrellisLinearCUDA (decode-and-dot GEMV up to 8 rows,
@@ -39,8 +39,8 @@ class TrellisLinear(KernelLinear):
 
     Args:
         tensors: the layer's tensors keyed by the format's names without prefix: `trellis`, `tscale`,
-            `tmeta`, `su`, `sv`, `tcode` (int8 [256] for code 2, [128] for code 3: required there, refused for code 1), and
-            optionally `bias`.
+            `tmeta`, `su`, `tcode` (int8 [256] for code 2, [128] for code 3: required there, refused for code 1), and
+            optionally `sv` (the output rotation, absent from format version 3's one-sided layers) and `bias`.
         exact: CPU only. False (default; env EXL_CPU_EXACT=1 flips it): the GEMV multiplies int8
             activations (per 32 channels, as QuantLinear's int8 path; about 0.5% RMS relative output
             error; the same bits on every CPU table); True: fp32 activations throughout.
@@ -50,8 +50,8 @@ class TrellisLinear(KernelLinear):
             on the AVX2 table, where it is compute-bound, else 64; code 1: 96 on AVX-512, else 17), 32 (exact).
     """
 
-    REQUIRED = ("trellis", "tscale", "tmeta", "su", "sv")
-    OPTIONAL = ("tcode", "bias")
+    REQUIRED = ("trellis", "tscale", "tmeta", "su")  # sv: optional from format version 3 (§7.4)
+    OPTIONAL = ("sv", "tcode", "bias")
 
     def __init__(self, tensors: dict[str, torch.Tensor], *, exact: bool | None = None, gemm_min_rows: int | None = None):
         super().__init__(tensors)
@@ -96,4 +96,4 @@ class TrellisLinear(KernelLinear):
                                "rebuild it (`EXL_BUILD_EXT=1 pip install .`, or remove the prebuilt cuda_ext/_exl_*.so)")
         t = self.tensors()
         tables = {"tcode": t["tcode"]} if "tcode" in t else {}  # codes 2 and 3 only
-        return getattr(ext, cls)(t["trellis"], t["tscale"], t["tmeta"], t["su"], t["sv"], t.get("bias"), **tables)
+        return getattr(ext, cls)(t["trellis"], t["tscale"], t["tmeta"], t["su"], t.get("sv"), t.get("bias"), **tables)

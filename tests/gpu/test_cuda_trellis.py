@@ -23,15 +23,17 @@ pytestmark = [
 
 def layer(ext, t):
     g = {k: v.cuda() for k, v in t.items()}
-    return ext.TrellisLinearCUDA(g["trellis"], g["tscale"], g["tmeta"], g["su"], g["sv"], g.get("bias"),
+    return ext.TrellisLinearCUDA(g["trellis"], g["tscale"], g["tmeta"], g["su"], g.get("sv"), g.get("bias"),
                                  tcode=g.get("tcode"))
 
 
 def layers():
-    """(name, tensors): code 1 at every K, code 2 at every K it allows, odd tile-row counts."""
+    """(name, tensors): code 1 at every K, code 2 at every K it allows, odd tile-row counts, one layer without sv."""
     out = [(f"code1-K{b}", random_trellis(80, 144, b, 16 if b % 2 else max(8, b), seed=b)) for b in range(1, 9)]
     out += [(f"code2-K{b}", random_two_table(80, 144, b, seed=50 + b)) for b in range(1, 8)]
-    return out
+    one_sided = random_two_table(80, 144, 3, seed=70, code=F.CODE_TWO_TABLE_64)
+    del one_sided["sv"]  # format version 3: no output rotation
+    return out + [("code3-K3-no-sv", one_sided)]
 
 
 @pytest.mark.parametrize("name,t", layers(), ids=lambda v: v if isinstance(v, str) else "")
