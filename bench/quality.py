@@ -705,10 +705,11 @@ def peers_run(args) -> dict:
             reusable_measurement(root() / "quality" / "exl-4.0" / "measurement.json", {"codes": "scalar"})
         results["rows"] += exl_at_sizes(rot, ev, "exl scalar", sizes, scalar_m, {"codes": "scalar"},
                                         lambda b: f"scalar-{b:g}")
-        if args.peer_trellis:
-            trellis_m = Path(args.trellis_measurement).expanduser() if args.trellis_measurement else None
-            results["rows"] += exl_at_sizes(rot, ev, "exl trellis", sizes, trellis_m,
-                                            {"codes": "trellis", **trellis_options(args)}, lambda b: f"trellis-{b:g}")
+    if args.peer_trellis and not args.peer_cached_only:  # at every peer's size, recorded ones too (trellis moves on)
+        every = sorted({round(r["bpw"], 4) for r in results["rows"] if r["kind"] == "peer"})
+        trellis_m = Path(args.trellis_measurement).expanduser() if args.trellis_measurement else None
+        results["rows"] += exl_at_sizes(rot, ev, "exl trellis", every, trellis_m,
+                                        {"codes": "trellis", **trellis_options(args)}, lambda b: f"trellis-{b:g}")
     # exl rows not made here: recorded scalar rows at the recorded peers' sizes, then trellis models (cached, recorded)
     recorded_scalar = {f"scalar-{b:g}" for b in {round(r["bpw"], 4) for r in results["rows"] if r.get("recorded")}}
     done = {r["label"] for r in results["rows"]}
@@ -928,8 +929,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-cached-only", action="store_true",
                     help="with --peers: quantize and convert nothing, table what the cache holds")
     ap.add_argument("--peer-trellis", action="store_true",
-                    help="with --peers: also convert trellis at each quantized peer's bpw (measured at the first "
-                         "size unless --trellis-measurement is given; --trellis-measure-rows/--trellis-bits apply)")
+                    help="with --peers: also convert trellis at every peer's bpw, recorded peers' too (measured at the "
+                         "first size unless --trellis-measurement is given; --trellis-measure-rows/--trellis-bits apply)")
     ap.add_argument("--no-doc", action="store_true", help=f"do not write {DOC.name}")
     ap.add_argument("--json", default=None, help="also save the raw results here")
     args = ap.parse_args(argv)

@@ -1,5 +1,5 @@
 """What the output-side rotation costs trellis codes: every decoder matrix of the rotated SmolLM2 trellis-coded at
-one width, (a) as format §7.4 does it today (su+sv: both sides rotated, every row of a tile weighing the same) and
+one width, (a) as format version 2 did it (su+sv: both sides rotated, every row of a tile weighing the same) and
 (b) with the input-side rotation only and the Viterbi's cost per row times that row's Fisher weight, so a walk
 puts its error where the output is least sensitive. Both are dequantized into dense copies of the model and
 evaluated like bench/quality.py (12 windows of 512 tokens, KLD against the float32 run).
@@ -7,8 +7,8 @@ evaluated like bench/quality.py (12 windows of 512 tokens, KLD against the float
     python bench/trellis_rows.py                 # K = 3, rotation seeds 0 and 1
     python bench/trellis_rows.py --bits 2 --seeds 0
 
-An experiment for issue 13 (docs/quantization.md, "Found later on 2026-12-07"), not a runtime path: (b) needs
-format §7 with `sv` optional before a converter can write it. Hessians come from the float model (not the
+The experiment for issue 13 that led to format version 3 (docs/quantization.md, "Found later on 2026-12-07"):
+(b) is what convert.py writes since then. Hessians come from the float model (not the
 converter's sequential ones), the Fisher from the converter's own pass (4 calibration rows); no scale refit.
 The weighted walks are `quant.trellis.ldlq(..., row_weights=...)`.
 """
@@ -35,7 +35,7 @@ from quant.layer import factor, row_weights, unrotate  # noqa: E402
 from quant.options import QuantOptions  # noqa: E402
 from quant.transform import Transform, prepare  # noqa: E402
 
-VARIANTS = {"su+sv (format today)": (Transform(True, True, False), False),
+VARIANTS = {"su+sv (format version 2)": (Transform(True, True, False), False),
             "su, Fisher-weighted walks": (Transform(True, False, False), True)}
 
 

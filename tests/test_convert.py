@@ -424,7 +424,7 @@ def test_resume_after_kills_gives_identical_output(tiny, tmp_path):
         if f.is_file():
             assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc.get("trellis_layers", 0) > 0 and qc["version"] == 2  # the default (auto) codes chose some trellis
+    assert qc.get("trellis_layers", 0) > 0 and qc["version"] == F.ONE_SIDED_TRELLIS_VERSION  # auto codes chose some trellis
 
 
 def test_bad_inputs(tiny, tmp_path):
@@ -567,7 +567,7 @@ def test_smollm2_resume_after_kills_is_identical(smollm_dir, tmp_path):
     run_cli(full + ["-r"])
     assert output_bytes(out) == output_bytes(tmp_path / "ref")
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc.get("trellis_layers", 0) > 0 and qc["version"] == 2  # the default (auto) codes chose some trellis
+    assert qc.get("trellis_layers", 0) > 0 and qc["version"] == F.ONE_SIDED_TRELLIS_VERSION  # auto codes chose some trellis
 
 
 def test_loaded_model_holds_only_the_stored_bytes(converted):
