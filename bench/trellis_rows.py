@@ -76,6 +76,33 @@ def fisher(rot: Path, work: Path) -> dict[str, torch.Tensor]:
     return passes.fisher_pass(src, WorkDir(work), ids, 0, False)
 
 
+def experiment_inputs(tmp: Path):
+    """What the whole-model trellis experiments share: the rotated SmolLM2, the converter's Fisher, float-model
+    Hessians, the float state dict and an evaluator (12 windows of 512 tokens) holding the float32 reference."""
+    from safetensors.torch import load_file
+
+    from calibration.evaltext import eval_tokens
+    from exl.tokenizer import Tokenizer
+
+    rot = Q.rotated_model(0)
+    tok = Tokenizer.from_dir(rot)
+    fw, hs = fisher(rot, tmp / "work"), hessians(rot, tok)
+    ev = Q.Evaluator(eval_tokens(tok), 512, 12)
+    ev.reference("exl", Q.exl_logits(rot), batch=4)
+    return rot, fw, hs, load_file(str(rot / "model.safetensors")), ev
+
+
+def evaluate_dense(rot: Path, ev, weights: dict[str, torch.Tensor], tmp: Path) -> dict:
+    """ppl and KLD of a dense copy of the rotated model with these weights (written under tmp)."""
+    from safetensors.torch import save_file
+
+    folder = tmp / "model"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(rot, folder)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return ev.evaluate(Q.exl_logits(folder), "exl", batch=4)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bits", type=int, default=3, help="trellis bits per weight for every matrix (code 3 up to 4)")
@@ -83,19 +110,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     fix_threads(args.threads)
-    from safetensors.torch import load_file, save_file
-
-    from calibration.evaltext import eval_tokens
-    from exl.tokenizer import Tokenizer
-
-    rot = Q.rotated_model(0)
-    tok = Tokenizer.from_dir(rot)
     tmp = Path(tempfile.mkdtemp(prefix="exl-trellis-rows-"))
     try:
-        fw, hs = fisher(rot, tmp / "work"), hessians(rot, tok)
-        ev = Q.Evaluator(eval_tokens(tok), 512, 12)
-        ev.reference("exl", Q.exl_logits(rot), batch=4)
-        sd = load_file(str(rot / "model.safetensors"))
+        rot, fw, hs, sd, ev = experiment_inputs(tmp)
         rows = []
         for seed in (int(s) for s in args.seeds.split(",")):
             for label, (t, weighted) in VARIANTS.items():
@@ -108,11 +125,7 @@ def main() -> None:
                     rw = row_weights(fw[name].float(), t) if weighted else torch.ones(w.shape[0])
                     q = TR.ldlq(p.w, u, [meta], refit=False, want_words=False, row_weights=rw / rw.mean())[0].q
                     out[name + ".weight"] = unrotate(p, q).to(sd[name + ".weight"].dtype).contiguous()
-                folder = tmp / "model"
-                shutil.rmtree(folder, ignore_errors=True)
-                shutil.copytree(rot, folder)
-                save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
-                r = ev.evaluate(Q.exl_logits(folder), "exl", batch=4)
+                r = evaluate_dense(rot, ev, out, tmp)
                 rows.append((seed, label, r["ppl"], r["kld"]))
                 print(f"seed {seed}, {label}: ppl {r['ppl']:.3f}, KLD {r['kld']:.4f} ({time.time() - t0:.0f} s)", flush=True)
     finally:

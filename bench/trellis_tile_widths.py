@@ -29,7 +29,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import quality as Q  # noqa: E402
 from exl import format as F  # noqa: E402
 from exl.threads import fix_threads  # noqa: E402
 from quant import trellis as TR  # noqa: E402
@@ -37,7 +36,7 @@ from quant.candidates import trellis_candidates  # noqa: E402
 from quant.layer import TRELLIS_TRANSFORM, factor, unrotate, walk_weights  # noqa: E402
 from quant.options import QuantOptions  # noqa: E402
 from quant.transform import prepare  # noqa: E402
-from trellis_rows import fisher, hessians  # noqa: E402
+from trellis_rows import evaluate_dense, experiment_inputs  # noqa: E402
 
 WIDTHS = (1, 2, 3, 4, 5, 6)
 
@@ -79,18 +78,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     fix_threads(args.threads)
-    from safetensors.torch import load_file, save_file
-
-    from calibration.evaltext import eval_tokens
-    from exl.tokenizer import Tokenizer
-
-    rot = Q.rotated_model(0)
-    tok = Tokenizer.from_dir(rot)
     tmp = Path(tempfile.mkdtemp(prefix="exl-trellis-tiles-"))
     rows = []
     try:
-        fw, hs = fisher(rot, tmp / "work"), hessians(rot, tok)
-        sd = load_file(str(rot / "model.safetensors"))
+        rot, fw, hs, sd, ev = experiment_inputs(tmp)
         t0 = time.time()
         enc = {}
         for i, (name, h) in enumerate(hs.items()):
@@ -100,8 +91,6 @@ def main() -> None:
         names = list(enc)
         cols = [sd[n + ".weight"].shape[1] for n in names]
         weights = sum(sd[n + ".weight"].numel() for n in names)
-        ev = Q.Evaluator(eval_tokens(tok), 512, 12)
-        ev.reference("exl", Q.exl_logits(rot), batch=4)
         for target in (float(x) for x in args.targets.split(",")):
             for label, per_tile in (("one K per matrix", False), ("one K per tile row", True)):
                 if per_tile:
@@ -119,11 +108,7 @@ def main() -> None:
                     bits += float(torch.tensor(WIDTHS)[kt].sum()) * F.TILE * c
                     q = torch.stack(qs)[kt.repeat_interleave(F.TILE), torch.arange(err.shape[0] * F.TILE)].float()
                     out[n + ".weight"] = unrotate(p, q).to(sd[n + ".weight"].dtype).contiguous()
-                folder = tmp / "model"
-                shutil.rmtree(folder, ignore_errors=True)
-                shutil.copytree(rot, folder)
-                save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
-                r = ev.evaluate(Q.exl_logits(folder), "exl", batch=4)
+                r = evaluate_dense(rot, ev, out, tmp)
                 rows.append((target, label, bits / weights, predicted, r["ppl"], r["kld"]))
                 print(f"{target} bpw, {label}: {bits / weights:.3f} bpw of walks, Fisher-weighted error {predicted:.4g}, "
                       f"ppl {r['ppl']:.3f}, KLD {r['kld']:.4f}", flush=True)
