@@ -91,18 +91,16 @@ def main() -> None:
         names = list(enc)
         cols = [sd[n + ".weight"].shape[1] for n in names]
         weights = sum(sd[n + ".weight"].numel() for n in names)
+        ways = {"one K per matrix": ([enc[n][1].sum(0, keepdim=True) for n in names],  # a matrix's tile rows summed
+                                     [c * enc[n][1].shape[0] for n, c in zip(names, cols)]),
+                "one K per tile row": ([enc[n][1] for n in names], cols)}
         for target in (float(x) for x in args.targets.split(",")):
-            for label, per_tile in (("one K per matrix", False), ("one K per tile row", True)):
-                if per_tile:
-                    errs = [enc[n][1] for n in names]
-                else:  # one item per matrix: its tile rows' errors summed
-                    errs = [enc[n][1].sum(0, keepdim=True) for n in names]
-                    cols_m = [c * enc[n][1].shape[0] for n, c in zip(names, cols)]
-                choice = allocate(errs, cols if per_tile else cols_m, target * weights)
+            for label, (errs, item_cols) in ways.items():
+                choice = allocate(errs, item_cols, target * weights)
                 out, predicted, bits = dict(sd), 0.0, 0.0
                 for n, c, k in zip(names, cols, choice):
                     p, err, qs = enc[n]
-                    kt = k.expand(err.shape[0]) if not per_tile else k
+                    kt = k.expand(err.shape[0])  # each tile row's K index (a matrix's one K, repeated)
                     tiles = torch.arange(err.shape[0])
                     predicted += float(err[tiles, kt].sum())
                     bits += float(torch.tensor(WIDTHS)[kt].sum()) * F.TILE * c

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from exl.errors import ModelLoadError
+from exl.format import READABLE_VERSIONS
 
 
 @dataclass
@@ -170,8 +171,6 @@ class ModelConfig:
 
 def _check_quantization(qc, source: str) -> None:
     """Refuse an exl folder written in a format version this exl cannot read (docs/format.md)."""
-    from exl.format import READABLE_VERSIONS
-
     if not isinstance(qc, dict) or qc.get("quant_method") != "exl":
         return
     version = qc.get("version")

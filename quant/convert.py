@@ -28,6 +28,7 @@ from quant.model_parts import SourceModel
 from quant.optimize import fixed_plan, optimize
 from quant.options import QuantOptions
 from quant.report import format_report
+from quant.transform import Transform
 from quant.workdir import WorkDir
 from quant.writer import atomic_copy, copy_tokenizer, stored_dtype, write_config, write_shards, write_text
 
@@ -381,7 +382,7 @@ def _write_output(job: Job, wd: WorkDir, src: SourceModel, measurement: dict, pl
 
 def _weighted_walks(choice: dict) -> bool:
     """Whether a plan's choice is a trellis setting whose walks weight rows by their Fisher (no output rotation)."""
-    return choice["setting"].startswith(TRELLIS_PREFIX) and "sv" not in choice["transform"].split("+")
+    return choice["setting"].startswith(TRELLIS_PREFIX) and not Transform.parse(choice["transform"]).sv
 
 
 def _measurement_path(m) -> Path:
