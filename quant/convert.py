@@ -21,7 +21,7 @@ import torch
 
 from exl import format as F
 from exl.errors import ExlError
-from quant import passes
+from quant import passes, tune
 from quant.candidates import TRELLIS_PREFIX, TrellisSetting
 from quant.faults import clean_tmp
 from quant.model_parts import SourceModel
@@ -122,9 +122,7 @@ def _calibration(job: Job, wd: WorkDir, src: SourceModel) -> tuple[torch.Tensor,
 
     tokenizer = Tokenizer.from_dir(job.input)
     ids, info = calibration_rows(job.calibration, tokenizer, job.rows, job.length, job.seed, job.column)
-    if int(ids.max()) >= src.config.vocab_size:
-        raise ConvertError(f"calibration token id {int(ids.max())} is outside the model's vocabulary "
-                           f"({src.config.vocab_size}); the tokenizer does not match the model")
+    _check_vocab(ids, src)
     widest = max(src.config.hidden_size, src.config.intermediate_size, src.config.moe_intermediate_size or 0,
                  src.config.num_heads * src.config.head_dim)
     tokens = ids.numel()
@@ -138,6 +136,23 @@ def _calibration(job: Job, wd: WorkDir, src: SourceModel) -> tuple[torch.Tensor,
     wd.save_tensors("calibration.safetensors", {"ids": ids})
     wd.save_json("calibration.json", info)
     return ids, info
+
+
+def _tune_rows(job: Job, src: SourceModel) -> torch.Tensor:
+    """The rows of the tuning stage: 2 per step from the calibration source (its first rows are the Hessians')."""
+    from calibration import calibration_rows
+    from exl.tokenizer import Tokenizer
+
+    ids, _ = calibration_rows(job.calibration, Tokenizer.from_dir(job.input), tune.BATCH * job.options.tune_steps,
+                              job.length, job.seed, job.column)
+    _check_vocab(ids, src)
+    return ids
+
+
+def _check_vocab(ids: torch.Tensor, src: SourceModel) -> None:
+    if int(ids.max()) >= src.config.vocab_size:
+        raise ConvertError(f"calibration token id {int(ids.max())} is outside the model's vocabulary "
+                           f"({src.config.vocab_size}); the tokenizer does not match the model")
 
 
 def load_measurement(path: str | Path) -> dict:
@@ -272,8 +287,14 @@ def convert(job: Job, resume: bool = False, progress: bool = True) -> dict:
     head = wd.load_json("head.json")
     lap("quantize", t0)
 
+    tuned = {}
+    if options.tune_steps:
+        t0 = time.time()
+        tuned = tune.tune_pass(src, wd, _tune_rows(job, src), options.tune_steps, head, progress)
+        lap("tune", t0)
+
     t0 = time.time()
-    report = _write_output(job, wd, src, measurement, plan, head, calib_info)
+    report = _write_output(job, wd, src, measurement, plan, head, calib_info, tuned)
     lap("write", t0)
     report["timings"] = {k: round(v, 1) for k, v in timings.items()}
     report["timings"]["total"] = round(sum(timings.values()), 1)
@@ -293,7 +314,7 @@ def convert(job: Job, resume: bool = False, progress: bool = True) -> dict:
 
 
 def _write_output(job: Job, wd: WorkDir, src: SourceModel, measurement: dict, plan: dict, head: dict,
-                  calib_info: dict) -> dict:
+                  calib_info: dict, tuned: dict[str, torch.Tensor]) -> dict:
     out = Path(job.output)
     out.mkdir(parents=True, exist_ok=True)
     loader = src.loader
@@ -307,7 +328,8 @@ def _write_output(job: Job, wd: WorkDir, src: SourceModel, measurement: dict, pl
         elem = sizes.get(dt, 4)
         if dt in ("F32", "F16", "BF16", "F64"):
             elem = 4 if "norm" in name else 2
-        return (name, math.prod(shape) * elem, lambda: stored_dtype(name, loader.get(name)))
+        return (name, math.prod(shape) * elem,
+                lambda: stored_dtype(name, tuned[name] if name in tuned else loader.get(name)))
 
     def owner(name):  # "model.layers.3.mlp.down_proj.weight" -> "model.layers.3.mlp.down_proj"
         return name.rsplit(".", 1)[0]
@@ -332,6 +354,7 @@ def _write_output(job: Job, wd: WorkDir, src: SourceModel, measurement: dict, pl
                 continue
             items.append(source_item(name))
         block = wd.load_tensors(f"quant/block_{i:03d}.safetensors")
+        block.update((k, v) for k, v in tuned.items() if k in block)  # tuned row scales (quant.tune)
         for k in sorted(block):
             t = block[k]
             items.append((k, t.numel() * t.element_size(), (lambda t=t: t)))

@@ -36,15 +36,21 @@ class LinearRef:
 
 
 class _RecordingBuilder(Builder):
-    """A Builder that remembers which checkpoint prefix each linear layer came from."""
+    """A Builder that remembers which checkpoint name each linear layer and norm came from."""
 
     def __init__(self, *args):
         super().__init__(*args)
         self.made: list[tuple[str, nn.Module]] = []
+        self.norms: list[tuple[str, RMSNorm]] = []
 
     def linear(self, prefix, k, n, bias=False):
         m = super().linear(prefix, k, n, bias)
         self.made.append((prefix, m))
+        return m
+
+    def norm(self, name, dim=None, offset=0.0):
+        m = super().norm(name, dim, offset)
+        self.norms.append((name, m))
         return m
 
 
@@ -75,6 +81,11 @@ class SourceModel:
 
     def block(self, i: int) -> tuple[nn.Module, list[LinearRef]]:
         """Block i (float32, on the device) and the linear layers to quantize, in execution order."""
+        block, refs, _ = self.tunable_block(i)
+        return block, refs
+
+    def tunable_block(self, i: int) -> tuple[nn.Module, list[LinearRef], list[tuple[str, RMSNorm]]]:
+        """`block(i)` plus the block's RMSNorms by checkpoint name (what quant.tune moves)."""
         b = _RecordingBuilder(self.config, self.loader, torch.float32, self.device)
         block = self.model.build_block(b, i, f"model.layers.{i}").eval()
         routers = set()
@@ -88,7 +99,7 @@ class SourceModel:
                 continue  # routers stay dense; K must be a multiple of 32 to be quantized
             parent, attr = parents[id(m)]
             refs.append(LinearRef(prefix, m, parent, attr))
-        return block, refs
+        return block, refs, b.norms
 
     def final_norm(self) -> RMSNorm:
         return self.model.build_norm(self.model.builder)

@@ -10,6 +10,7 @@ from quant.candidates import TRELLIS_BITS, parse_setting
 TRANSFORMS = ("auto", "none", "perm", "su+perm", "su+sv+perm", "su", "su+sv")
 CODES = ("auto", "scalar", "trellis")
 MAX_TRELLIS_PASSES = 8  # refinement passes a conversion may ask for (convert.py --trellis-passes)
+MAX_TUNE_STEPS = 4096  # convert.py --tune: 2 calibration rows a step
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class QuantOptions:
     trellis_bits: tuple[int, ...] | None = None  # trellis widths measured; None: 1-6 with codes=auto, 1-8 with trellis
     state_bits: int = 12  # trellis state bits L (at least bits + 1)
     trellis_passes: int = 0  # refinement passes of a trellis matrix's final encoding (quant.trellis.refine)
+    tune_steps: int = 0  # end-to-end tuning of row scales and norms after quantization (quant.tune; 0: none)
 
     def __post_init__(self):
         if self.method not in ("gptq", "rtn"):
@@ -43,6 +45,8 @@ class QuantOptions:
             raise ValueError(f"trellis state bits must be in 8..16, not {self.state_bits}")
         if not 0 <= self.trellis_passes <= MAX_TRELLIS_PASSES:
             raise ValueError(f"trellis refinement passes must be in 0..{MAX_TRELLIS_PASSES}, not {self.trellis_passes}")
+        if not 0 <= self.tune_steps <= MAX_TUNE_STEPS:
+            raise ValueError(f"tuning steps must be in 0..{MAX_TUNE_STEPS}, not {self.tune_steps}")
         if self.trellis_bits is not None:
             if not self.trellis_bits or not all(1 <= b <= 8 for b in self.trellis_bits):
                 raise ValueError(f"trellis bits must be in 1..8, not {self.trellis_bits}")

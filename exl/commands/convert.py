@@ -14,6 +14,15 @@ def passes(text: str) -> int:
     return int(text)
 
 
+def tune_steps(text: str) -> int:
+    """--tune: a whole number of steps 0..MAX_TUNE_STEPS (quant.options checks the same bound)."""
+    from quant.options import MAX_TUNE_STEPS
+
+    if not text.strip().isdigit() or int(text) > MAX_TUNE_STEPS:
+        raise argparse.ArgumentTypeError(f"takes a whole number of steps from 0 to {MAX_TUNE_STEPS}, not {text!r}")
+    return int(text)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("-i", "--input", required=True, help="input model: a Hugging Face folder (config.json + *.safetensors)")
@@ -40,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trellis-passes", type=passes, default=0, metavar="N",
                    help="refinement passes after block LDLQ for each trellis-coded matrix (one lowers its error by "
                         "~1-5%% and costs one more encoding; no KLD gain measured on SmolLM2, docs/quantization.md)")
+    p.add_argument("--tune", type=tune_steps, default=0, metavar="N",
+                   help="after quantizing, tune trellis row scales and norm weights end to end for N steps of 2 "
+                        "calibration rows (KL to the original model; 72 lowered held-out KLD by 10%% at 3.0 bpw and "
+                        "23%% at 2.0 on SmolLM2, ~8 min on 2 CPU cores; needs the float model in memory)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or final table")
 
@@ -48,7 +61,8 @@ def job_from_args(args):
     from quant.convert import Job
     from quant.options import QuantOptions
 
-    options = QuantOptions(codes=getattr(args, "codes", "auto"), trellis_passes=getattr(args, "trellis_passes", 0))
+    options = QuantOptions(codes=getattr(args, "codes", "auto"), trellis_passes=getattr(args, "trellis_passes", 0),
+                           tune_steps=getattr(args, "tune", 0))
     return Job(options=options, input=args.input, output=args.output, bits=args.bits, head_bits=args.head_bits, work=args.work,
                calibration=args.calibration, column=args.calibration_column, rows=args.calibration_rows,
                length=args.calibration_length, measurement=args.measurement, seed=args.seed,

@@ -1,0 +1,132 @@
+"""End-to-end tuning of the floats the codes leave free (`convert.py --tune N`, docs/quantization.md "Tuning").
+
+After every matrix is encoded, two kinds of stored values are still plain floats: each trellis layer's row
+scales (`tscale`, one per output channel) and every RMSNorm weight (which, in front of q/k/v and gate/up, acts
+as a per-input-channel scale of those matrices). This stage moves them, and nothing else, by Adam to minimise
+the mean KL(original ‖ quantized) of the next-token distributions: N steps of 2 calibration rows each (2N rows,
+each seen once; more rows than the Hessians use, since the model is free to fit what it sees). The codes,
+scalar layers, the embedding and the head stay as quantized, so the format and bits per weight do not change.
+A row scale moves multiplicatively (s0 · (1 + d), d from 0), a norm weight additively.
+
+Memory: the whole model in float32 on the conversion device (the other stages hold one block), plus the
+original model's final hidden states of the 2N rows. The stage is resumable as a whole (`tune.safetensors`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from exl import format as F
+from exl.modules.linear import Linear
+from quant.model_parts import SourceModel
+from quant.passes import _ctx
+from quant.workdir import WorkDir
+
+LR = 1e-3  # Adam's step; 3e-3 overfits the calibration text (held-out KLD rose 10% on SmolLM2 at 3.0 bpw)
+BATCH = 2  # calibration rows per step
+
+
+class ScaledCodes(nn.Module):
+    """A trellis layer as its decoded codes V (dense, frozen) times trainable row scales: y = (x Vᵀ) ⊙ s0 (1 + d)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], device):
+        super().__init__()
+        s0 = tensors["tscale"].to(device, torch.float32)
+        w = F.dequantize({k: v.to(device) for k, v in tensors.items()}, torch.float32)
+        if "sv" in tensors:  # the scales sit before the output rotation: tune them through it
+            raise ValueError("ScaledCodes: layers with an output rotation (sv) are not tuned")
+        self.register_buffer("codes", w / torch.where(s0 == 0, 1.0, s0)[:, None])
+        self.register_buffer("s0", s0)
+        self.register_buffer("bias", tensors["bias"].to(device, torch.float32) if "bias" in tensors else None)
+        self.d = nn.Parameter(torch.zeros_like(s0))
+
+    def scale(self) -> torch.Tensor:
+        return self.s0 * (1 + self.d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.linear(x, self.codes) * self.scale()
+        return y if self.bias is None else y + self.bias
+
+
+def _tunable(tensors: dict[str, torch.Tensor]) -> bool:
+    return F.is_trellis(tensors) and "sv" not in tensors
+
+
+def _student_block(src: SourceModel, wd: WorkDir, i: int, scaled: dict, norms: dict) -> nn.Module:
+    """Block i with its quantized layers dense (trellis ones as ScaledCodes) and its norms trainable."""
+    block, refs, block_norms = src.tunable_block(i)
+    for p in block.parameters():
+        p.requires_grad_(False)
+    q = wd.load_tensors(f"quant/block_{i:03d}.safetensors", src.device)
+    for ref in refs:
+        t = {s: q[f"{ref.name}.{s}"] for s in F.QUANT_SUFFIXES + F.TRELLIS_SUFFIXES + ("bias",)
+             if f"{ref.name}.{s}" in q}
+        if not t:
+            continue  # not quantized (kept dense)
+        if _tunable(t):
+            m = scaled[ref.name] = ScaledCodes(t, src.device)
+        else:
+            m = Linear(F.dequantize(t, torch.float32), t["bias"].float() if "bias" in t else None)
+        setattr(ref.parent, ref.attr, m)
+    norms.update(block_norms)
+    return block
+
+
+def tune_pass(src: SourceModel, wd: WorkDir, rows: torch.Tensor, steps: int, head: dict,
+              progress: bool = True) -> dict[str, torch.Tensor]:
+    """Tuned `tscale` of every one-sided trellis layer and every RMSNorm weight, by checkpoint name (see module doc).
+    rows: [2·steps, T] calibration token ids. head: the quantization pass's head record (its `head` is None when the
+    head stays unquantized). The norms come back as the weights the checkpoint stores (Gemma's offset kept)."""
+    if wd.exists("tune.safetensors"):
+        return wd.load_tensors("tune.safetensors")
+    dev, n = src.device, src.num_layers
+    rows = rows.to(dev)
+    with torch.inference_mode():  # the original model's final hidden states, one block in memory at a time
+        h = src.embed(rows)
+        for i in tqdm(range(n), desc="tune: original", unit="block", disable=not progress, dynamic_ncols=True):
+            h = src.block(i)[0](h, _ctx(h))
+    target_h = h.clone()
+    target_norm, target_head = src.final_norm(), src.head_weight()
+    del h
+
+    scaled: dict[str, ScaledCodes] = {}
+    norms: dict[str, nn.Module] = {}
+    blocks = [_student_block(src, wd, i, scaled, norms) for i in range(n)]
+    final = norms["model.norm.weight"] = src.final_norm()
+    if head["head"] is not None:
+        ht = wd.load_tensors("quant/head.safetensors", dev)
+        head_w = F.dequantize({k.split(".", 1)[1]: v for k, v in ht.items()}, torch.float32)
+    else:
+        head_w = target_head
+    start = {name: m.weight.detach().clone() for name, m in norms.items()}
+    for m in norms.values():
+        m.weight.requires_grad_(True)
+    opt = torch.optim.Adam([m.d for m in scaled.values()] + [m.weight for m in norms.values()], lr=LR)
+    embed_table = src.model.build_embedding(src.model.builder)
+
+    bar = tqdm(range(steps), desc="tune", unit="step", disable=not progress, dynamic_ncols=True)
+    for step in bar:
+        sel = slice(step * BATCH, (step + 1) * BATCH)
+        with torch.no_grad():
+            target = torch.log_softmax(src.logits(target_h[sel], target_norm, target_head), -1)
+        with torch.enable_grad():
+            h = src.model.embed(rows[sel], embed_table)
+            for b in blocks:
+                h = b(h, _ctx(h))
+            out = torch.log_softmax(src.logits(h, final, head_w), -1)
+            kl = (target.exp() * (target - out)).sum(-1).mean()
+            opt.zero_grad(set_to_none=True)
+            kl.backward()
+            opt.step()
+        bar.set_postfix(kl=f"{kl.item():.4f}")
+
+    stored = {}
+    for name, m in scaled.items():
+        stored[f"{name}.tscale"] = m.scale().detach().to("cpu", torch.float16)
+    for name, m in norms.items():  # what the checkpoint stores, moved by what the weight moved
+        stored[name] = (src.loader.get(name, torch.float32, device="cpu")
+                        + (m.weight.detach() - start[name]).cpu())
+    wd.save_tensors("tune.safetensors", stored)
+    return stored
