@@ -434,13 +434,13 @@ def tmp_files(folder: Path) -> list[Path]:
 
 
 def test_resume_after_kills_gives_identical_output(tiny, tmp_path):
-    args = ["-i", str(tiny), "-b", "3.5", "-cr", "6", "-cl", "48", "--seed", "3"]
+    args = ["-i", str(tiny), "-b", "3.5", "-cr", "6", "-cl", "48", "--seed", "3", "--tune", "2"]
     run_cli([*args, "-o", str(tmp_path / "ref")])
     out, work = tmp_path / "out", tmp_path / "work"
     full = [*args, "-o", str(out), "-w", str(work)]
     # one kill in every stage, the last two while the output folder is written (shard, then config.json)
     stages = ["fisher/in_001.safetensors", "measure/block_000.json", "quant/block_000.json", "head.json",
-              "out/model.safetensors", "out/config.json"]
+              "tune.safetensors", "out/model.safetensors", "out/config.json"]
     for i, stage in enumerate(stages):
         assert run_cli(full + (["-r"] if i else []), kill_before=stage) == -signal.SIGKILL, stage
         assert tmp_files(out if stage.startswith("out/") else work), stage  # the half-written file is there
