@@ -143,8 +143,14 @@ def _tune_rows(job: Job, src: SourceModel) -> torch.Tensor:
     from calibration import calibration_rows
     from exl.tokenizer import Tokenizer
 
-    ids, _ = calibration_rows(job.calibration, Tokenizer.from_dir(job.input), tune.BATCH * job.options.tune_steps,
-                              job.length, job.seed, job.column)
+    from calibration.rows import CalibrationError
+
+    rows = tune.BATCH * job.options.tune_steps
+    try:
+        ids, _ = calibration_rows(job.calibration, Tokenizer.from_dir(job.input), rows, job.length, job.seed, job.column)
+    except CalibrationError as e:
+        raise ConvertError(f"--tune {job.options.tune_steps} needs {rows} calibration rows of {job.length} tokens: {e} "
+                           "(or tune for fewer steps)") from e
     _check_vocab(ids, src)
     return ids
 
@@ -245,6 +251,7 @@ def convert(job: Job, resume: bool = False, progress: bool = True) -> dict:
     ids, calib_info = _calibration(job, wd, src)
     text_rows = ids.shape[0] - calib_info.get("random_rows", 0)
     eval_rows = max(1, min(options.fisher_rows, text_rows))
+    tune_ids = _tune_rows(job, src) if options.tune_steps else None  # refused now, not after the long stages
     lap("calibration", t0)
 
     # measurement
@@ -290,7 +297,7 @@ def convert(job: Job, resume: bool = False, progress: bool = True) -> dict:
     tuned = {}
     if options.tune_steps:
         t0 = time.time()
-        tuned = tune.tune_pass(src, wd, _tune_rows(job, src), options.tune_steps, head, progress)
+        tuned = tune.tune_pass(src, wd, tune_ids, options.tune_steps, head, progress)
         lap("tune", t0)
 
     t0 = time.time()

@@ -473,6 +473,13 @@ def test_bad_inputs(tiny, tmp_path):
         convert(job, progress=False)
     with pytest.raises(Exception, match="does not exist"):
         convert(tiny_job(tiny, tmp_path / "o5", calibration=str(tmp_path / "nope.parquet")), progress=False)
+    # --tune needs 2 rows a step from the calibration data: refused before any pass runs, naming both
+    (tmp_path / "small.txt").write_text(" ".join(["def f(x): return x"] * 200))
+    small = tiny_job(tiny, tmp_path / "o6", rows=2, length=64, calibration=str(tmp_path / "small.txt"),
+                     options=replace(FAST, tune_steps=50))
+    with pytest.raises(ConvertError, match=r"--tune 50 needs 100 calibration rows of 64 tokens.*fewer steps"):
+        convert(small, progress=False)
+    assert not (tmp_path / "o6" / "work" / "fisher.safetensors").exists()
 
 
 def test_resume_refuses_other_arguments(tiny, tmp_path):
