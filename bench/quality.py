@@ -284,7 +284,8 @@ def trellis_run(args) -> dict:
 
     ev = Evaluator(eval_tokens(Tokenizer.from_dir(rot)), args.ctx, args.windows)
     results: dict = {"setup": {"windows": len(ev.windows), "ctx": args.ctx, "threads": args.threads,
-                               "trellis_measure_rows": args.trellis_measure_rows, "trellis_bits": args.trellis_bits},
+                               "trellis_measure_rows": args.trellis_measure_rows, "trellis_bits": args.trellis_bits,
+                               "tune": args.tune},
                      "rows": []}
     ref = ev.reference("exl", exl_logits(rot), batch=4)
     results["rows"].append(dict(kind="reference", label="exl float32", bpw=32.0, **ref))
@@ -296,6 +297,12 @@ def trellis_run(args) -> dict:
         results["rows"] += exl_at_sizes(rot, ev, codes, sizes, measurement, opts, lambda b: f"{codes}-{b}", args.fresh)
         if codes == "trellis" and 2.0 in sizes:
             results["chat_trellis_2.0"] = chat_sample(root() / "quality" / "trellis-2.0")
+        if codes == "trellis" and args.tune:  # the same sizes and measurement, then `convert.py --tune N`
+            m = measurement or root() / "quality" / f"trellis-{sizes[0]}" / "measurement.json"
+            results["rows"] += exl_at_sizes(rot, ev, "trellis-tuned", sizes, m, {**opts, "tune_steps": args.tune},
+                                            lambda b: f"trellis-{b}-tune{args.tune}", args.fresh)
+            if 2.0 in sizes:
+                results["chat_trellis_2.0_tuned"] = chat_sample(root() / "quality" / f"trellis-2.0-tune{args.tune}")
     for b in sizes:  # earlier conversions (code 1 everywhere; code 2), if kept
         for earlier in EARLIER_CODES:
             folder = root() / "quality" / f"trellis-{b}-{earlier}"
@@ -399,8 +406,9 @@ def trellis_markdown(results: dict) -> str:
              "exl's runtime (TrellisLinear / QuantLinear); each kind measured once, every size converted from that "
              "measurement. bpw: decoder linear layers, every stored bit." + _trellis_measure_note(results)
              + _trellis_passes_note(results), ""]
-    kept = [e for e in EARLIER_CODES if any(r["kind"] == f"trellis-{e}" for r in results["rows"])]
-    names = {"code1": "trellis with code 1 only", "code2": "trellis with code 2"}
+    kept = [e for e in ("tuned", *EARLIER_CODES) if any(r["kind"] == f"trellis-{e}" for r in results["rows"])]
+    names = {"code1": "trellis with code 1 only", "code2": "trellis with code 2",
+             "tuned": f"trellis + `--tune {s.get('tune')}`"}
     lines += ["| target bpw | scalar bpw | scalar ppl | scalar KLD | trellis bpw | trellis ppl | trellis KLD | "
               "scalar / trellis KLD | targets |" + "".join(f" {names[e]}: KLD (scalar / it) |" for e in kept),
               "|---|---|---|---|---|---|---|---|---|" + "---|" * len(kept)]
@@ -419,7 +427,10 @@ def trellis_markdown(results: dict) -> str:
     lines += ["", "The trellis rows use exl's default codes: code 3 (two 64-entry tables; fastest to decode) for "
               "K_b ≤ 4, code 1 above (docs/format.md §7.3)."
               + (" The last columns: earlier conversions of the same sizes, "
-                 + "; ".join(EARLIER_CODES[e] for e in kept) + "." if kept else "")]
+                 + "; ".join(EARLIER_CODES[e] for e in kept if e in EARLIER_CODES) + "."
+                 if set(kept) & set(EARLIER_CODES) else "")
+              + (" `--tune N`: the trellis conversion of that size, then N steps of end-to-end tuning of row scales "
+                 "and norms (docs/quantization.md, \"Tuning\")." if "tuned" in kept else "")]
     lines += ["", "| model | predicted ΔKL | KLD / predicted | conversion (s) | settings chosen |", "|---|---|---|---|---|"]
     for r in results["rows"][1:]:
         if r["kind"].startswith("trellis-code"):
@@ -427,9 +438,9 @@ def trellis_markdown(results: dict) -> str:
         conv = f"{r['convert_s']:.0f}" + (" (-m)" if r.get("reused") else "") if r.get("convert_s") else ""
         sets = ", ".join(f"{k}×{v}" for k, v in sorted(r["settings"].items()))
         lines.append(f"| {r['label']} | {r['predicted_kl']:.4f} | {r['kld'] / r['predicted_kl']:.2f} | {conv} | {sets} |")
-    if "chat_trellis_2.0" in results:
-        lines += ["", f"trellis at 2.0 bpw, greedy, asked *{CHAT_QUESTION}*:", "",
-                  "> " + results["chat_trellis_2.0"].replace("\n", "\n> ")]
+    for key, what in (("chat_trellis_2.0", "trellis at 2.0 bpw"), ("chat_trellis_2.0_tuned", "the same, tuned")):
+        if key in results:
+            lines += ["", f"{what}, greedy, asked *{CHAT_QUESTION}*:", "", "> " + results[key].replace("\n", "\n> ")]
     return "\n".join(lines)
 
 
@@ -919,6 +930,8 @@ def main(argv=None) -> int:
                     help="with --trellis/--peer-trellis: rows per matrix priced in the trellis measurement (default: the converter's)")
     ap.add_argument("--trellis-bits", default=None, type=lambda v: tuple(int(b) for b in v.split(",")),
                     help="with --trellis/--peer-trellis: the trellis widths measured, e.g. 1,2,3,4,5,6 (default: the converter's)")
+    ap.add_argument("--tune", type=int, default=0, metavar="N",
+                    help="with --trellis: also convert every trellis size with `convert.py --tune N` (a column beside)")
     ap.add_argument("--peers", action="store_true", help="only the peer table: GPTQ, AutoRound, HQQ against exl")
     ap.add_argument("--peer-tools", default="gptq,autoround,hqq",
                     help="with --peers: the tools to run (cached outputs are reused); the others' rows come from "
