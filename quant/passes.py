@@ -35,7 +35,8 @@ class CalibrationFailure(ExlError):
     """The calibration activations became unusable (NaN/inf in too many rows)."""
 
 
-def _ctx(h: torch.Tensor) -> NoCache:
+def no_cache(h: torch.Tensor) -> NoCache:
+    """No KV cache: a whole-sequence forward of a block over calibration rows h [B, T, D]."""
     return NoCache(h.shape[0], h.shape[1], h.device)
 
 
@@ -83,7 +84,7 @@ def fisher_pass(src: SourceModel, wd: WorkDir, ids: torch.Tensor, seed: int, pro
     for i in _bar(range(start, n), "fisher: forward", n, start, progress):
         block, _ = src.block(i)
         with torch.inference_mode():
-            h = block(h, _ctx(h))
+            h = block(h, no_cache(h))
         if not bool(torch.isfinite(h.sum())):
             raise CalibrationFailure(f"block {i}: NaN/inf activations on the calibration rows used for the Fisher "
                                      "pass; the checkpoint looks broken (or use other calibration data, -c)")
@@ -119,7 +120,7 @@ def fisher_pass(src: SourceModel, wd: WorkDir, ids: torch.Tensor, seed: int, pro
 
         h = wd.load_tensors(f"fisher/in_{i:03d}.safetensors", dev)["h"].requires_grad_()
         with torch.enable_grad(), taps(refs, tap):
-            block(h, _ctx(h)).backward(g)
+            block(h, no_cache(h)).backward(g)
         for r in refs:  # a layer no token reached (an unused expert) has zero sensitivity
             f.setdefault(r.name, torch.zeros(r.shape[0], device=dev))
         g = h.grad
@@ -175,7 +176,7 @@ def measure_pass(src: SourceModel, wd: WorkDir, ids: torch.Tensor, fisher: dict[
             return ref.module(x)
 
         with torch.inference_mode(), taps(refs, tap):
-            h = block(h, _ctx(h))
+            h = block(h, no_cache(h))
         seen = {r["name"] for r in records}
         for ref in refs:  # layers that saw no token (unused experts): identity Hessian
             if ref.name not in seen:
@@ -217,7 +218,7 @@ def quantize_pass(src: SourceModel, wd: WorkDir, ids: torch.Tensor, eval_rows: i
         mask = token_mask(valid, ids.shape[1])
         orig_h: dict = {}
         with torch.inference_mode():
-            ref = block(ref, _ctx(ref))
+            ref = block(ref, no_cache(ref))
             if not options.sequential:  # ablation: Hessians from the original model's activations
                 orig_cache = HessianCache(mask)
 
@@ -226,7 +227,7 @@ def quantize_pass(src: SourceModel, wd: WorkDir, ids: torch.Tensor, eval_rows: i
                     return r.module(x)
 
                 with taps(refs, grab):
-                    block(h, _ctx(h))
+                    block(h, no_cache(h))
         cache = HessianCache(mask)
         tensors, stats = {}, []
 
@@ -245,7 +246,7 @@ def quantize_pass(src: SourceModel, wd: WorkDir, ids: torch.Tensor, eval_rows: i
             return y
 
         with torch.inference_mode(), taps(refs, tap):
-            h = block(h, _ctx(h))
+            h = block(h, no_cache(h))
         missing = [r for r in refs if r.name not in {s["name"] for s in stats}]
         for r in missing:  # never reached by a token: round-to-nearest on an identity Hessian
             k = r.shape[1]

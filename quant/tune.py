@@ -21,7 +21,7 @@ from tqdm import tqdm
 from exl import format as F
 from exl.modules.linear import Linear
 from quant.model_parts import SourceModel
-from quant.passes import _ctx
+from quant.passes import no_cache
 from quant.workdir import WorkDir
 
 LR = 1e-3  # Adam's step; 3e-3 overfits the calibration text (held-out KLD rose 10% on SmolLM2 at 3.0 bpw)
@@ -34,9 +34,7 @@ class ScaledCodes(nn.Module):
     def __init__(self, tensors: dict[str, torch.Tensor], device):
         super().__init__()
         s0 = tensors["tscale"].to(device, torch.float32)
-        w = F.dequantize({k: v.to(device) for k, v in tensors.items()}, torch.float32)
-        if "sv" in tensors:  # the scales sit before the output rotation: tune them through it
-            raise ValueError("ScaledCodes: layers with an output rotation (sv) are not tuned")
+        w = F.dequantize({k: v.to(device) for k, v in tensors.items()}, torch.float32)  # no sv: rows are outputs
         self.register_buffer("codes", w / torch.where(s0 == 0, 1.0, s0)[:, None])
         self.register_buffer("s0", s0)
         self.register_buffer("bias", tensors["bias"].to(device, torch.float32) if "bias" in tensors else None)
@@ -86,7 +84,7 @@ def tune_pass(src: SourceModel, wd: WorkDir, rows: torch.Tensor, steps: int, hea
     with torch.inference_mode():  # the original model's final hidden states, one block in memory at a time
         h = src.embed(rows)
         for i in tqdm(range(n), desc="tune: original", unit="block", disable=not progress, dynamic_ncols=True):
-            h = src.block(i)[0](h, _ctx(h))
+            h = src.block(i)[0](h, no_cache(h))
     target_h = h.clone()
     target_norm, target_head = src.final_norm(), src.head_weight()
     del h
@@ -114,7 +112,7 @@ def tune_pass(src: SourceModel, wd: WorkDir, rows: torch.Tensor, steps: int, hea
         with torch.enable_grad():
             h = src.model.embed(rows[sel], embed_table)
             for b in blocks:
-                h = b(h, _ctx(h))
+                h = b(h, no_cache(h))
             out = torch.log_softmax(src.logits(h, final, head_w), -1)
             kl = (target.exp() * (target - out)).sum(-1).mean()
             opt.zero_grad(set_to_none=True)
