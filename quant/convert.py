@@ -140,10 +140,8 @@ def _calibration(job: Job, wd: WorkDir, src: SourceModel) -> tuple[torch.Tensor,
 
 def _tune_rows(job: Job, src: SourceModel) -> torch.Tensor:
     """The rows of the tuning stage: 2 per step from the calibration source (its first rows are the Hessians')."""
-    from calibration import calibration_rows
+    from calibration import CalibrationError, calibration_rows
     from exl.tokenizer import Tokenizer
-
-    from calibration.rows import CalibrationError
 
     rows = tune.BATCH * job.options.tune_steps
     try:
