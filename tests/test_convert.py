@@ -45,10 +45,12 @@ def tiny_tokenizer(folder: Path, vocab: int) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHAT}))
 
 
-def make_tiny(folder: Path, seed: int = 0, **overrides) -> Path:
-    cfg = transformers.LlamaConfig(**{**TINY, **overrides})
+def make_tiny(folder: Path, seed: int = 0, family: tuple[str, str] = ("LlamaConfig", "LlamaForCausalLM"),
+              **overrides) -> Path:
+    """A tiny random model of `family` (transformers' config and model class names) with a tokenizer."""
+    cfg = getattr(transformers, family[0])(**{**TINY, **overrides})
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    model = getattr(transformers, family[1])(cfg).float().eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * 0.3 + 1.0 if "norm" in n else torch.randn_like(p) * 0.1)
@@ -251,6 +253,30 @@ def test_tuning_moves_only_row_scales_and_norms_and_lowers_kl(tiny, trellis_conv
     t = {s: b.get(f"{prefix}.{s}") for s in F.TRELLIS_SUFFIXES if f"{prefix}.{s}" in b}
     x = torch.randn(5, 64)
     torch.testing.assert_close(ScaledCodes(t, "cpu")(x), F.reference_forward(x, t), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family, extra", [
+    (("Gemma3TextConfig", "Gemma3ForCausalLM"), dict(head_dim=16, sliding_window=8, final_logit_softcapping=30.0)),
+    (("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=16)),  # q/k norms
+])
+def test_tuning_other_families(tmp_path, family, extra):
+    """The tuned folder of a Gemma 3 (norm offset, soft-capped logits, sliding windows) and a Qwen3 MoE model (q/k
+    norms, experts) loads, only row scales and norms moved, and KL to the original falls on text it never saw."""
+    from exl.loader import TensorLoader
+
+    src = make_tiny(tmp_path / "model", family=family, **extra)
+    opts = QuantOptions(measure_rows=32, fisher_rows=2, codes="trellis", trellis_bits=(2, 3))
+    convert(tiny_job(src, tmp_path / "base", bits=2.5, rows=16, length=64, options=opts), progress=False)
+    convert(tiny_job(src, tmp_path / "tuned", bits=2.5, rows=16, length=64, options=replace(opts, tune_steps=32),
+                     measurement=str(tmp_path / "base")), progress=False)
+    a, b = TensorLoader(tmp_path / "base"), TensorLoader(tmp_path / "tuned")
+    moved = {k for k in a.keys() if not torch.equal(a.get(k), b.get(k))}
+    assert all(k.endswith((".tscale", "norm.weight")) for k in moved), sorted(moved)
+    assert any(k.endswith("q_norm.weight") for k in moved)  # both families normalise queries and keys
+    ref = exl.load_model(src, progress=False)
+    kl_base = _kl_on_fresh_text(src, exl.load_model(tmp_path / "base", progress=False), ref)
+    kl_tuned = _kl_on_fresh_text(src, exl.load_model(tmp_path / "tuned", progress=False), ref)
+    assert 0 < kl_tuned < 0.97 * kl_base  # 0.94x (Gemma 3), 0.90x (Qwen3 MoE) here
 
 
 def test_auto_codes_choose_the_better_kind_per_matrix(tiny, tmp_path):
