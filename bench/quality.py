@@ -407,6 +407,7 @@ def trellis_markdown(results: dict) -> str:
              "measurement. bpw: decoder linear layers, every stored bit." + _trellis_measure_note(results)
              + _trellis_passes_note(results), ""]
     kept = [e for e in ("tuned", *EARLIER_CODES) if any(r["kind"] == f"trellis-{e}" for r in results["rows"])]
+    earlier_notes = [EARLIER_CODES[e] for e in kept if e in EARLIER_CODES]
     names = {"code1": "trellis with code 1 only", "code2": "trellis with code 2",
              "tuned": f"trellis + `--tune {s.get('tune')}`"}
     lines += ["| target bpw | scalar bpw | scalar ppl | scalar KLD | trellis bpw | trellis ppl | trellis KLD | "
@@ -426,9 +427,8 @@ def trellis_markdown(results: dict) -> str:
                      f"| {tr['kld']:.4f} | {ratio:.2f} | {'; '.join(notes)} |{cols}")
     lines += ["", "The trellis rows use exl's default codes: code 3 (two 64-entry tables; fastest to decode) for "
               "K_b ≤ 4, code 1 above (docs/format.md §7.3)."
-              + (" The last columns: earlier conversions of the same sizes, "
-                 + "; ".join(EARLIER_CODES[e] for e in kept if e in EARLIER_CODES) + "."
-                 if set(kept) & set(EARLIER_CODES) else "")
+              + (" The last columns: earlier conversions of the same sizes, " + "; ".join(earlier_notes) + "."
+                 if earlier_notes else "")
               + (" `--tune N`: the trellis conversion of that size, then N steps of end-to-end tuning of row scales "
                  "and norms (docs/quantization.md, \"Tuning\")." if "tuned" in kept else "")]
     lines += ["", "| model | predicted ΔKL | KLD / predicted | conversion (s) | settings chosen |", "|---|---|---|---|---|"]
