@@ -376,10 +376,10 @@ def _write_output(job: Job, wd: WorkDir, src: SourceModel, measurement: dict, pl
         items.append(source_item(name))
     head_bits = 0
     if head_quant:
-        ht = wd.load_tensors("quant/head.safetensors")
+        ht = passes.quantized_head(wd)
         for k in sorted(ht):
-            items.append((k, ht[k].numel() * ht[k].element_size(), (lambda t=ht[k]: t)))
-        head_bits = F.storage_bits({k.split(".", 1)[1]: v for k, v in ht.items()})
+            items.append((f"lm_head.{k}", ht[k].numel() * ht[k].element_size(), (lambda t=ht[k]: t)))
+        head_bits = F.storage_bits(ht)
     shard_bytes = job.shard_mb * 1024 * 1024
     files = write_shards(out, items, shard_bytes)
     weights = plan["weights"]

@@ -265,6 +265,11 @@ def quantize_pass(src: SourceModel, wd: WorkDir, ids: torch.Tensor, eval_rows: i
         del block
 
 
+def quantized_head(wd: WorkDir, device="cpu") -> dict[str, torch.Tensor]:
+    """The head's tensors `quantize_head` saved, by format name without the `lm_head.` prefix."""
+    return {k.split(".", 1)[1]: v for k, v in wd.load_tensors("quant/head.safetensors", device).items()}
+
+
 def quantize_head(src: SourceModel, wd: WorkDir, bits: int, options: QuantOptions, seed: int) -> dict:
     """Quantize the output head from the quantized model's final hidden states; evaluate on the eval rows.
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from exl import format as F
 from exl.modules.linear import Linear
 from quant.model_parts import SourceModel
-from quant.passes import no_cache
+from quant.passes import no_cache, quantized_head
 from quant.workdir import WorkDir
 
 LR = 1e-3  # Adam's step; 3e-3 overfits the calibration text (held-out KLD rose 10% on SmolLM2 at 3.0 bpw)
@@ -94,8 +94,7 @@ def tune_pass(src: SourceModel, wd: WorkDir, rows: torch.Tensor, steps: int, hea
     blocks = [_student_block(src, wd, i, scaled, norms) for i in range(n)]
     final = norms["model.norm.weight"] = src.final_norm()
     if head["head"] is not None:
-        ht = wd.load_tensors("quant/head.safetensors", dev)
-        head_w = F.dequantize({k.split(".", 1)[1]: v for k, v in ht.items()}, torch.float32)
+        head_w = F.dequantize(quantized_head(wd, dev), torch.float32)
     else:
         head_w = target_head
     start = {name: m.weight.detach().clone() for name, m in norms.items()}

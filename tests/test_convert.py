@@ -225,6 +225,15 @@ def test_trellis_two_table_conversion_writes_tables_and_runs_on_the_kernels(tiny
     torch.testing.assert_close(lin(x), want, rtol=1e-4, atol=1e-4)
 
 
+def changed_tensors(a: Path, b: Path) -> set[str]:
+    """Names of the tensors that differ between two converted folders holding the same tensor names."""
+    from exl.loader import TensorLoader
+
+    la, lb = TensorLoader(a), TensorLoader(b)
+    assert sorted(la.keys()) == sorted(lb.keys())
+    return {k for k in la.keys() if not torch.equal(la.get(k), lb.get(k))}
+
+
 def test_tuning_moves_only_row_scales_and_norms_and_lowers_kl(tiny, trellis_converted, tmp_path):
     """--tune: the codes, bits and every other tensor stay; row scales and norms move; KL to the original falls
     on the tuning rows and on text it never saw."""
@@ -239,9 +248,7 @@ def test_tuning_moves_only_row_scales_and_norms_and_lowers_kl(tiny, trellis_conv
     assert "tune" in report["timings"]
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert report["measured_bpw"] == base_report["measured_bpw"] and qc["options"]["tune_steps"] == 32
-    a, b = TensorLoader(base), TensorLoader(out)
-    assert sorted(a.keys()) == sorted(b.keys())
-    moved = {k for k in a.keys() if not torch.equal(a.get(k), b.get(k))}
+    moved = changed_tensors(base, out)
     assert moved and all(k.endswith((".tscale", "norm.weight")) for k in moved), sorted(moved)
     assert any(k.endswith(".tscale") for k in moved) and "model.norm.weight" in moved
     ref = exl.load_model(tiny, progress=False)
@@ -250,6 +257,7 @@ def test_tuning_moves_only_row_scales_and_norms_and_lowers_kl(tiny, trellis_conv
     assert 0 < kl_tuned < 0.97 * kl_base  # 0.948x here (64 tuning rows of 64 tokens on a random model)
     # a trellis layer as tuning sees it: the reference forward at its stored scales
     prefix = "model.layers.0.mlp.up_proj"
+    b = TensorLoader(out)
     t = {s: b.get(f"{prefix}.{s}") for s in F.TRELLIS_SUFFIXES if f"{prefix}.{s}" in b}
     x = torch.randn(5, 64)
     torch.testing.assert_close(ScaledCodes(t, "cpu")(x), F.reference_forward(x, t), rtol=1e-4, atol=1e-5)
@@ -262,15 +270,12 @@ def test_tuning_moves_only_row_scales_and_norms_and_lowers_kl(tiny, trellis_conv
 def test_tuning_other_families(tmp_path, family, extra):
     """The tuned folder of a Gemma 3 (norm offset, soft-capped logits, sliding windows) and a Qwen3 MoE model (q/k
     norms, experts) loads, only row scales and norms moved, and KL to the original falls on text it never saw."""
-    from exl.loader import TensorLoader
-
     src = make_tiny(tmp_path / "model", family=family, **extra)
     opts = QuantOptions(measure_rows=32, fisher_rows=2, codes="trellis", trellis_bits=(2, 3))
     convert(tiny_job(src, tmp_path / "base", bits=2.5, rows=16, length=64, options=opts), progress=False)
     convert(tiny_job(src, tmp_path / "tuned", bits=2.5, rows=16, length=64, options=replace(opts, tune_steps=32),
                      measurement=str(tmp_path / "base")), progress=False)
-    a, b = TensorLoader(tmp_path / "base"), TensorLoader(tmp_path / "tuned")
-    moved = {k for k in a.keys() if not torch.equal(a.get(k), b.get(k))}
+    moved = changed_tensors(tmp_path / "base", tmp_path / "tuned")
     assert all(k.endswith((".tscale", "norm.weight")) for k in moved), sorted(moved)
     assert any(k.endswith("q_norm.weight") for k in moved)  # both families normalise queries and keys
     ref = exl.load_model(src, progress=False)

@@ -5,22 +5,18 @@ from __future__ import annotations
 import argparse
 
 
-def passes(text: str) -> int:
-    """--trellis-passes: a whole number 0..MAX_TRELLIS_PASSES (quant.options, which checks the same bound)."""
-    from quant.options import MAX_TRELLIS_PASSES
+def whole_number(unit: str, bound: str):
+    """An argparse type: a whole number of `unit` from 0 to quant.options' `bound` (QuantOptions checks it too)."""
 
-    if not text.strip().isdigit() or int(text) > MAX_TRELLIS_PASSES:
-        raise argparse.ArgumentTypeError(f"takes a whole number of passes from 0 to {MAX_TRELLIS_PASSES}, not {text!r}")
-    return int(text)
+    def parse(text: str) -> int:
+        import quant.options
 
+        top = getattr(quant.options, bound)
+        if not text.strip().isdigit() or int(text) > top:
+            raise argparse.ArgumentTypeError(f"takes a whole number of {unit} from 0 to {top}, not {text!r}")
+        return int(text)
 
-def tune_steps(text: str) -> int:
-    """--tune: a whole number of steps 0..MAX_TUNE_STEPS (quant.options checks the same bound)."""
-    from quant.options import MAX_TUNE_STEPS
-
-    if not text.strip().isdigit() or int(text) > MAX_TUNE_STEPS:
-        raise argparse.ArgumentTypeError(f"takes a whole number of steps from 0 to {MAX_TUNE_STEPS}, not {text!r}")
-    return int(text)
+    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,10 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codes", choices=("auto", "scalar", "trellis"), default="auto",
                    help="weight codes: auto chooses per matrix between scalar and trellis codes by predicted quality at "
                         "the bit budget; scalar or trellis restricts to one kind (docs/format.md §1, §7)")
-    p.add_argument("--trellis-passes", type=passes, default=0, metavar="N",
+    p.add_argument("--trellis-passes", type=whole_number("passes", "MAX_TRELLIS_PASSES"), default=0, metavar="N",
                    help="refinement passes after block LDLQ for each trellis-coded matrix (one lowers its error by "
                         "~1-5%% and costs one more encoding; no KLD gain measured on SmolLM2, docs/quantization.md)")
-    p.add_argument("--tune", type=tune_steps, default=0, metavar="N",
+    p.add_argument("--tune", type=whole_number("steps", "MAX_TUNE_STEPS"), default=0, metavar="N",
                    help="after quantizing, tune trellis row scales and norm weights end to end for N steps of 2 "
                         "calibration rows (KL to the original model; 72 lowered held-out KLD by 21%% at 2.0 bpw and "
                         "9%% at 3.0 on SmolLM2 but raised it 6%% at 4.0: for 3 bpw and below; ~9 min on 2 CPU cores; "
