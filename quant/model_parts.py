@@ -36,15 +36,17 @@ class LinearRef:
 
 
 class _RecordingBuilder(Builder):
-    """A Builder that remembers which checkpoint name each linear layer and norm came from."""
+    """A Builder that remembers which checkpoint name each linear layer and norm came from. Linears named in
+    `unread` get a weight on the meta device (nothing read): their caller replaces them."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, unread: frozenset[str] = frozenset()):
         super().__init__(*args)
+        self.unread = unread
         self.made: list[tuple[str, nn.Module]] = []
         self.norms: list[tuple[str, RMSNorm]] = []
 
     def linear(self, prefix, k, n, bias=False):
-        m = super().linear(prefix, k, n, bias)
+        m = Linear(torch.empty((n, k), device="meta")) if prefix in self.unread else super().linear(prefix, k, n, bias)
         self.made.append((prefix, m))
         return m
 
@@ -84,9 +86,11 @@ class SourceModel:
         block, refs, _ = self.tunable_block(i)
         return block, refs
 
-    def tunable_block(self, i: int) -> tuple[nn.Module, list[LinearRef], list[tuple[str, RMSNorm]]]:
-        """`block(i)` plus the block's RMSNorms by checkpoint name (what quant.tune moves)."""
-        b = _RecordingBuilder(self.config, self.loader, torch.float32, self.device)
+    def tunable_block(self, i: int, unread: frozenset[str] = frozenset()
+                      ) -> tuple[nn.Module, list[LinearRef], list[tuple[str, RMSNorm]]]:
+        """`block(i)` plus the block's RMSNorms by checkpoint name (what quant.tune moves). The linears named in
+        `unread` are not read from the checkpoint (meta-device placeholders for the caller to replace)."""
+        b = _RecordingBuilder(self.config, self.loader, torch.float32, self.device, unread=unread)
         block = self.model.build_block(b, i, f"model.layers.{i}").eval()
         routers = set()
         for m in block.modules():

@@ -24,8 +24,14 @@ from quant.model_parts import SourceModel
 from quant.passes import no_cache, quantized_head
 from quant.workdir import WorkDir
 
-LR = 1e-3  # Adam's step; 3e-3 overfits the calibration text (held-out KLD rose 10% on SmolLM2 at 3.0 bpw)
+LR = 1e-3  # Adam's step at 3 bits and below; 3e-3 overfits the calibration text (held-out KLD +10%, SmolLM2 3.0 bpw)
+LR_BITS = 3  # above it the step halves per bit: the corrections a scale needs shrink with the error, ~2^-K
 BATCH = 2  # calibration rows per step
+
+
+def step_size(bits: float) -> float:
+    """Adam's step for values next to codes of `bits` bits per weight: LR up to LR_BITS, halved per bit above."""
+    return LR * 2.0 ** -max(0.0, bits - LR_BITS)
 
 
 class ScaledCodes(nn.Module):
@@ -39,6 +45,7 @@ class ScaledCodes(nn.Module):
         self.register_buffer("s0", s0)
         self.register_buffer("bias", tensors["bias"].to(device, torch.float32) if "bias" in tensors else None)
         self.d = nn.Parameter(torch.zeros_like(s0))
+        self.bits = F.TrellisMeta.from_tensor(tensors["tmeta"]).bits
 
     def scale(self) -> torch.Tensor:
         return self.s0 * (1 + self.d)
@@ -54,10 +61,10 @@ def _tunable(tensors: dict[str, torch.Tensor]) -> bool:
 
 def _student_block(src: SourceModel, wd: WorkDir, i: int, scaled: dict, norms: dict) -> nn.Module:
     """Block i with its quantized layers dense (trellis ones as ScaledCodes) and its norms trainable."""
-    block, refs, block_norms = src.tunable_block(i)
+    q = wd.load_tensors(f"quant/block_{i:03d}.safetensors", src.device)
+    block, refs, block_norms = src.tunable_block(i, unread=frozenset(k.rsplit(".", 1)[0] for k in q))
     for p in block.parameters():
         p.requires_grad_(False)
-    q = wd.load_tensors(f"quant/block_{i:03d}.safetensors", src.device)
     for ref in refs:
         t = {s: q[f"{ref.name}.{s}"] for s in F.QUANT_SUFFIXES + F.TRELLIS_SUFFIXES + ("bias",)
              if f"{ref.name}.{s}" in q}
@@ -100,7 +107,10 @@ def tune_pass(src: SourceModel, wd: WorkDir, rows: torch.Tensor, steps: int, hea
     start = {name: m.weight.detach().clone() for name, m in norms.items()}
     for m in norms.values():
         m.weight.requires_grad_(True)
-    opt = torch.optim.Adam([m.d for m in scaled.values()] + [m.weight for m in norms.values()], lr=LR)
+    codes = list(scaled.values())  # each row scale steps by its layer's K; the norms by the numel-weighted mean K
+    mean_bits = (sum(m.bits * m.codes.numel() for m in codes) / sum(m.codes.numel() for m in codes)) if codes else 0
+    opt = torch.optim.Adam([{"params": [m.d], "lr": step_size(m.bits)} for m in codes]
+                           + [{"params": [m.weight for m in norms.values()], "lr": step_size(mean_bits)}])
     embed_table = src.model.build_embedding(src.model.builder)
 
     bar = tqdm(range(steps), desc="tune", unit="step", disable=not progress, dynamic_ncols=True)

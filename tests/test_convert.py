@@ -263,6 +263,24 @@ def test_tuning_moves_only_row_scales_and_norms_and_lowers_kl(tiny, trellis_conv
     torch.testing.assert_close(ScaledCodes(t, "cpu")(x), F.reference_forward(x, t), rtol=1e-4, atol=1e-5)
 
 
+def test_tuning_builds_blocks_without_reading_quantized_weights(tiny, monkeypatch):
+    """The tuning stage's blocks read norms and dense layers only: a quantized layer's float weight (replaced by
+    its codes) is not read; and the step halves per bit above 3 bits (the corrections shrink with the error)."""
+    from quant import tune
+    from quant.model_parts import SourceModel
+
+    src = SourceModel(tiny)
+    read = []
+    real_get = type(src.loader).get
+    monkeypatch.setattr(type(src.loader), "get", lambda self, name, *a, **k: read.append(name) or real_get(self, name, *a, **k))
+    unread = frozenset({"model.layers.1.self_attn.q_proj", "model.layers.1.mlp.down_proj"})
+    block, refs, norms = src.tunable_block(1, unread=unread)
+    assert {r.name for r in refs} >= unread and all(r.module.weight.is_meta == (r.name in unread) for r in refs)
+    assert not any(n.startswith(tuple(unread)) for n in read) and "model.layers.1.self_attn.k_proj.weight" in read
+    assert {n for n, _ in norms} == {"model.layers.1.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"}
+    assert [tune.step_size(b) for b in (2, 3, 4, 5)] == [tune.LR, tune.LR, tune.LR / 2, tune.LR / 4]
+
+
 @pytest.mark.parametrize("family, extra", [
     (("Gemma3TextConfig", "Gemma3ForCausalLM"), dict(head_dim=16, sliding_window=8, final_logit_softcapping=30.0)),
     (("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=16)),  # q/k norms
