@@ -150,6 +150,11 @@ def _tune_rows(job: Job, src: SourceModel) -> torch.Tensor:
         raise ConvertError(f"--tune {job.options.tune_steps} needs {rows} calibration rows of {job.length} tokens: {e} "
                            "(or tune for fewer steps)") from e
     _check_vocab(ids, src)
+    try:
+        tune.memory_plan(src, job.options.tune_steps, job.length)
+    except tune.TuneMemoryError as e:
+        raise ConvertError(f"--tune {job.options.tune_steps}: {e}. Tune on a device with more memory (--device), for "
+                           "shorter rows (-cl), or convert without --tune") from e
     return ids
 
 
@@ -295,7 +300,11 @@ def convert(job: Job, resume: bool = False, progress: bool = True) -> dict:
     tuned = {}
     if options.tune_steps:
         t0 = time.time()
-        tuned = tune.tune_pass(src, wd, tune_ids, options.tune_steps, head, progress)
+        try:
+            tuned = tune.tune_pass(src, wd, tune_ids, options.tune_steps, head, progress)
+        except tune.TuneMemoryError as e:
+            raise ConvertError(f"--tune {options.tune_steps}: {e} now (the earlier stages are kept: resume with -r "
+                               "when more memory is free)") from e
         lap("tune", t0)
 
     t0 = time.time()

@@ -9,13 +9,20 @@ scalar layers, the embedding and the head stay as quantized, so the format and b
 A row scale moves multiplicatively (s0 · (1 + d), d from 0), a norm weight additively.
 
 Memory: the whole model in float32 on the conversion device (the other stages hold one block), plus the
-original model's final hidden states of the 2N rows. The stage is resumable as a whole (`tune.safetensors`).
+original model's final hidden states of the 2N rows, plus what backward keeps of each block's forward. Where
+those activations do not fit (`memory_plan`), each block's forward is recomputed in backward (per-block
+checkpointing: one block's activations at a time, one more forward a step). The stage is resumable as a whole
+(`tune.safetensors`).
 """
 
 from __future__ import annotations
 
+import logging
+import math
+
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from exl import format as F
@@ -27,6 +34,56 @@ from quant.workdir import WorkDir
 LR = 1e-3  # Adam's step at 3 bits and below; 3e-3 overfits the calibration text (held-out KLD +10%, SmolLM2 3.0 bpw)
 LR_BITS = 3  # above it the step halves per bit: the corrections a scale needs shrink with the error, ~2^-K
 BATCH = 2  # calibration rows per step
+HEADROOM = 0.9  # the share of the device's free memory the stage may plan to use
+
+log = logging.getLogger("exl.quant")
+
+
+class TuneMemoryError(MemoryError):
+    """The tuning stage does not fit the conversion device's memory, even recomputing each block."""
+
+
+def memory_need(src: SourceModel, steps: int, length: int, recompute: bool) -> int:
+    """Bytes the tuning stage holds at its peak, about: the decoder in float32, the embedding and both heads, the
+    original final states of the 2·steps rows, the logits of one step, and the activations backward keeps (every
+    block's, or with `recompute` one block's plus each block's input)."""
+    c = src.config
+    decoder = sum(math.prod(src.loader.info(k)[0]) for k in src.loader.keys() if k.startswith("model.layers."))
+    tables = 3 * c.vocab_size * c.hidden_size  # embedding, original head, quantized head (dense)
+    targets = BATCH * steps * length * c.hidden_size
+    tokens = BATCH * length
+    ffn = (c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size
+           if c.num_experts else c.intermediate_size)
+    block = tokens * (12 * c.hidden_size + 4 * ffn)  # saved for backward (measured ~23 floats/token/width on SmolLM2)
+    acts = block + c.num_layers * tokens * c.hidden_size if recompute else c.num_layers * block
+    return 4 * (decoder + tables + targets + 6 * tokens * c.vocab_size + acts)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Free memory of a CUDA device, or the host's available memory (Linux); None where unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def memory_plan(src: SourceModel, steps: int, length: int) -> bool:
+    """Whether to recompute each block in backward: False when the whole model's activations fit the device's
+    free memory, True when only one block's do. Raises TuneMemoryError when neither fits."""
+    free = free_bytes(src.device)
+    whole = memory_need(src, steps, length, recompute=False)
+    if free is None or whole <= HEADROOM * free:
+        return False
+    least = memory_need(src, steps, length, recompute=True)
+    if least <= HEADROOM * free:
+        log.info("tuning recomputes each block in backward: the whole model's activations need %.1f GiB, %.1f GiB "
+                 "free on %s", whole / 2**30, free / 2**30, src.device)
+        return True
+    raise TuneMemoryError(f"tuning needs about {least / 2**30:.1f} GiB on {src.device} (the float32 model and one "
+                          f"block's activations at a time) but {free / 2**30:.1f} GiB are free")
 
 
 def step_size(bits: float) -> float:
@@ -86,6 +143,7 @@ def tune_pass(src: SourceModel, wd: WorkDir, rows: torch.Tensor, steps: int, hea
     head stays unquantized). The norms come back as the weights the checkpoint stores (Gemma's offset kept)."""
     if wd.exists("tune.safetensors"):
         return wd.load_tensors("tune.safetensors")
+    recompute = memory_plan(src, steps, rows.shape[1])
     dev, n = src.device, src.num_layers
     rows = rows.to(dev)
     with torch.inference_mode():  # the original model's final hidden states, one block in memory at a time
@@ -121,7 +179,7 @@ def tune_pass(src: SourceModel, wd: WorkDir, rows: torch.Tensor, steps: int, hea
         with torch.enable_grad():
             h = src.model.embed(rows[sel], embed_table)
             for b in blocks:
-                h = b(h, no_cache(h))
+                h = checkpoint(b, h, no_cache(h), use_reentrant=False) if recompute else b(h, no_cache(h))
             out = torch.log_softmax(src.logits(h, final, head_w), -1)
             kl = (target.exp() * (target - out)).sum(-1).mean()
             opt.zero_grad(set_to_none=True)

@@ -281,6 +281,35 @@ def test_tuning_builds_blocks_without_reading_quantized_weights(tiny, monkeypatc
     assert [tune.step_size(b) for b in (2, 3, 4, 5)] == [tune.LR, tune.LR, tune.LR / 2, tune.LR / 4]
 
 
+def test_tuning_recomputes_blocks_when_memory_is_short_and_refuses_when_it_cannot_fit(tiny, trellis_converted,
+                                                                                       tmp_path, monkeypatch):
+    """With too little free memory for every block's activations, tuning recomputes each block in backward and
+    writes the same tensors; with too little even for one block's, --tune is refused before any long stage."""
+    from quant import tune
+    from quant.model_parts import SourceModel
+
+    base, base_report = trellis_converted
+    options = replace(QuantOptions.from_dict(base_report["options"]), tune_steps=4)
+    job = lambda out: tiny_job(tiny, out, bits=3.0, rows=16, length=64, options=options, measurement=str(base))  # noqa: E731
+    convert(job(tmp_path / "whole"), progress=False)
+    src = SourceModel(tiny)
+    whole, least = (tune.memory_need(src, 4, 64, recompute=r) for r in (False, True))
+    assert least < whole
+    free = (least + whole) / 2 / tune.HEADROOM
+    monkeypatch.setattr(tune, "free_bytes", lambda device: free)
+    monkeypatch.setattr(tune, "checkpoint", lambda f, *a, **k: calls.append(f) or torch.utils.checkpoint.checkpoint(f, *a, **k))
+    calls = []
+    convert(job(tmp_path / "recomputed"), progress=False)
+    assert len(calls) == 4 * src.num_layers  # every block, every step
+    assert changed_tensors(tmp_path / "whole", tmp_path / "recomputed") == set()
+
+    monkeypatch.setattr(tune, "free_bytes", lambda device: least / 2)
+    with pytest.raises(ConvertError, match=r"--tune 4: tuning needs about .* GiB on cpu .* GiB are free"):
+        convert(job(tmp_path / "refused"), progress=False)
+    assert not (tmp_path / "refused" / "model.safetensors").exists()
+    assert not list((tmp_path / "refused").glob("work/quant/block_*"))  # refused before quantizing
+
+
 @pytest.mark.parametrize("family, extra", [
     (("Gemma3TextConfig", "Gemma3ForCausalLM"), dict(head_dim=16, sliding_window=8, final_logit_softcapping=30.0)),
     (("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=16)),  # q/k norms
