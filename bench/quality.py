@@ -430,7 +430,7 @@ def trellis_markdown(results: dict) -> str:
               + (" The last columns: earlier conversions of the same sizes, " + "; ".join(earlier_notes) + "."
                  if earlier_notes else "")
               + (" `--tune N`: the trellis conversion of that size, then N steps of end-to-end tuning of row scales "
-                 "and norms (docs/quantization.md, \"Tuning\")." if "tuned" in kept else "")]
+                 "and norms (\"Tuning\" above)." if "tuned" in kept else "")]
     lines += ["", "| model | predicted ΔKL | KLD / predicted | conversion (s) | settings chosen |", "|---|---|---|---|---|"]
     for r in results["rows"][1:]:
         if r["kind"].startswith("trellis-code"):

@@ -35,7 +35,8 @@ LR = 1e-3  # Adam's step at 3 bits and below; 3e-3 overfits the calibration text
 LR_BITS = 3  # above it the step halves per bit: the corrections a scale needs shrink with the error, ~2^-K
 BATCH = 2  # calibration rows per step
 HEADROOM = 0.9  # the share of the device's free memory the stage may plan to use
-OVERHEAD = 1.25  # peak over the counted tensors: SmolLM2 at 2 x 512 tokens peaked at 4.3 GB RSS against 3.5 GB counted
+OVERHEAD, BASE = 1.1, 0.75 * 2**30  # peak = OVERHEAD x counted tensors + BASE bytes, fitted on SmolLM2 (2 x 512
+# tokens, CPU): peak RSS 4.13 GiB with every block's activations (3.35 counted), 2.88 GiB recomputing (1.97 counted)
 
 log = logging.getLogger("exl.quant")
 
@@ -57,7 +58,7 @@ def memory_need(src: SourceModel, steps: int, length: int, recompute: bool) -> i
            if c.num_experts else c.intermediate_size)
     block = tokens * (12 * c.hidden_size + 4 * ffn)  # saved for backward (measured ~23 floats/token/width on SmolLM2)
     acts = block + c.num_layers * tokens * c.hidden_size if recompute else c.num_layers * block
-    return int(OVERHEAD * 4 * (decoder + tables + targets + 6 * tokens * c.vocab_size + acts))
+    return int(OVERHEAD * 4 * (decoder + tables + targets + 6 * tokens * c.vocab_size + acts) + BASE)
 
 
 def free_bytes(device: torch.device) -> int | None:

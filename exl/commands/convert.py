@@ -47,9 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "~1-5%% and costs one more encoding; no KLD gain measured on SmolLM2, docs/quantization.md)")
     p.add_argument("--tune", type=whole_number("steps", "MAX_TUNE_STEPS"), default=0, metavar="N",
                    help="after quantizing, tune trellis row scales and norm weights end to end for N steps of 2 "
-                        "calibration rows (KL to the original model; 72 lowered held-out KLD by 21%% at 2.0 bpw and "
-                        "9%% at 3.0 on SmolLM2 but raised it 6%% at 4.0: for 3 bpw and below; ~9 min on 2 CPU cores; "
-                        "needs the float model in memory)")
+                        "calibration rows (KL to the original model; 72 lowered held-out KLD by 22%% at 2.0 bpw, 10%% "
+                        "at 3.0 and 5%% at 4.0 and 5.0 on SmolLM2; ~10 min on 2 CPU cores; the float32 model must "
+                        "fit the device)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or final table")
 
