@@ -139,7 +139,8 @@ def _calibration(job: Job, wd: WorkDir, src: SourceModel) -> tuple[torch.Tensor,
 
 
 def _tune_rows(job: Job, src: SourceModel) -> torch.Tensor:
-    """The rows of the tuning stage: 2 per step from the calibration source (its first rows are the Hessians')."""
+    """The rows of the tuning stage: 2 per step from the calibration source (its first rows are the Hessians').
+    Refuses --tune now, before the long stages, when the source is too small or the stage cannot fit the device."""
     from calibration import CalibrationError, calibration_rows
     from exl.tokenizer import Tokenizer
 

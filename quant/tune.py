@@ -56,7 +56,8 @@ def memory_need(src: SourceModel, steps: int, length: int, recompute: bool) -> i
     tokens = BATCH * length
     ffn = (c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size
            if c.num_experts else c.intermediate_size)
-    block = tokens * (12 * c.hidden_size + 4 * ffn)  # saved for backward (measured ~23 floats/token/width on SmolLM2)
+    block = tokens * (12 * c.hidden_size + 4 * ffn)  # saved for backward: a dense SmolLM2 block keeps ~8k floats a
+    # token (7h + 2.6i); ScaledCodes also keep each product x Vᵀ for its scale's gradient (another ~3h + 2i)
     acts = block + c.num_layers * tokens * c.hidden_size if recompute else c.num_layers * block
     return int(OVERHEAD * 4 * (decoder + tables + targets + 6 * tokens * c.vocab_size + acts) + BASE)
 
