@@ -139,8 +139,7 @@ def _calibration(job: Job, wd: WorkDir, src: SourceModel) -> tuple[torch.Tensor,
 
 
 def _tune_rows(job: Job, src: SourceModel) -> torch.Tensor:
-    """The rows of the tuning stage: 2 per step from the calibration source (its first rows are the Hessians').
-    Refuses --tune now, before the long stages, when the source is too small or the stage cannot fit the device."""
+    """The rows of the tuning stage: 2 per step from the calibration source (its first rows are the Hessians')."""
     from calibration import CalibrationError, calibration_rows
     from exl.tokenizer import Tokenizer
 
@@ -151,12 +150,16 @@ def _tune_rows(job: Job, src: SourceModel) -> torch.Tensor:
         raise ConvertError(f"--tune {job.options.tune_steps} needs {rows} calibration rows of {job.length} tokens: {e} "
                            "(or tune for fewer steps)") from e
     _check_vocab(ids, src)
+    return ids
+
+
+def _check_tune_memory(job: Job, src: SourceModel) -> None:
+    """Refuse --tune now, before the long stages, when the tuning stage cannot fit the device."""
     try:
         tune.memory_plan(src, job.options.tune_steps, job.length)
     except tune.TuneMemoryError as e:
         raise ConvertError(f"--tune {job.options.tune_steps}: {e}. Tune on a device with more memory (--device), for "
                            "shorter rows (-cl), or convert without --tune") from e
-    return ids
 
 
 def _check_vocab(ids: torch.Tensor, src: SourceModel) -> None:
@@ -256,6 +259,8 @@ def convert(job: Job, resume: bool = False, progress: bool = True) -> dict:
     text_rows = ids.shape[0] - calib_info.get("random_rows", 0)
     eval_rows = max(1, min(options.fisher_rows, text_rows))
     tune_ids = _tune_rows(job, src) if options.tune_steps else None  # refused now, not after the long stages
+    if options.tune_steps and not wd.exists("tune.safetensors"):  # a resume whose tuning is done needs no memory
+        _check_tune_memory(job, src)
     lap("calibration", t0)
 
     # measurement

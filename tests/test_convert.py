@@ -4,6 +4,7 @@ kills, measurement reuse, bad inputs; plus one fast conversion of the real SmolL
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -290,8 +291,9 @@ def test_tuning_recomputes_blocks_when_memory_is_short_and_refuses_when_it_canno
 
     base, base_report = trellis_converted
     options = replace(QuantOptions.from_dict(base_report["options"]), tune_steps=4)
-    job = lambda out: tiny_job(tiny, out, bits=3.0, rows=16, length=64, options=options, measurement=str(base))  # noqa: E731
-    convert(job(tmp_path / "whole"), progress=False)
+    job = lambda out, **kw: tiny_job(tiny, out, bits=3.0, rows=16, length=64, options=options,  # noqa: E731
+                                     measurement=str(base), **kw)
+    convert(job(tmp_path / "whole", work=str(tmp_path / "work")), progress=False)  # the work folder keeps tune.safetensors
     src = SourceModel(tiny)
     whole, least = (tune.memory_need(src, 4, 64, recompute=r) for r in (False, True))
     assert least < whole
@@ -308,6 +310,10 @@ def test_tuning_recomputes_blocks_when_memory_is_short_and_refuses_when_it_canno
         convert(job(tmp_path / "refused"), progress=False)
     assert not (tmp_path / "refused" / "model.safetensors").exists()
     assert not list((tmp_path / "refused").glob("work/quant/block_*"))  # refused before quantizing
+    # a resume whose tuning is done needs no memory for it: not refused
+    shutil.rmtree(tmp_path / "whole")
+    convert(job(tmp_path / "whole", work=str(tmp_path / "work")), resume=True, progress=False)
+    assert changed_tensors(tmp_path / "whole", tmp_path / "recomputed") == set()
 
 
 @pytest.mark.parametrize("family, extra", [
